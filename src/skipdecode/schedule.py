@@ -1,0 +1,220 @@
+"""The SkipDecode schedule: which layers each generated position runs.
+
+Pure arithmetic, free of torch, so the generator, the trainer and tests share
+it. Conventions (see SKIPDECODE.md):
+
+- ``b(i)`` is the layer budget of generated token ``i`` (the i-th sampled
+  token, fed back as input). Prompt tokens always run at full depth.
+- ``b(i) = round(max_exit - (max_exit - min_exit) * min(i / horizon, 1))``,
+  non-increasing in ``i``, so every key/value an active layer attends to was
+  written by an earlier, deeper position.
+- ``mode="skip"`` (the paper) runs the first ``warmup_layers`` layers, then the
+  top ``b - warmup_layers`` layers. ``mode="early_exit"`` runs the bottom ``b``
+  layers (same budget, the ablation the paper never measured).
+- The decode-layer speedup of a generation of ``n`` new tokens is
+  ``L / mean(b(i) for i < n - 1)``: only the first ``n - 1`` tokens are fed
+  back through the model (the last one ends generation and runs nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+MODES = ("skip", "early_exit")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be run as asked (a clear, user-facing error)."""
+
+
+def _round_half_up(x: float) -> int:
+    # Python's round() is banker's rounding; a schedule should not depend on it.
+    return int(math.floor(x + 0.5))
+
+
+@dataclass(frozen=True)
+class SkipSchedule:
+    """A linear-decay SkipDecode schedule for a model of ``num_layers`` layers."""
+
+    num_layers: int
+    max_exit_layer: int
+    min_exit_layer: int
+    horizon: int
+    warmup_layers: int = 1
+    mode: str = "skip"
+
+    def __post_init__(self) -> None:
+        L, w = self.num_layers, self.warmup_layers
+        if not isinstance(L, int) or L < 1:
+            raise ScheduleError(f"num_layers must be a positive integer, got {L!r}")
+        if self.mode not in MODES:
+            raise ScheduleError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "early_exit":
+            w_floor = 0  # early exit has no warm-up block: the bottom b layers run
+        else:
+            if not isinstance(w, int) or w < 0:
+                raise ScheduleError(f"warmup_layers must be an integer >= 0, got {w!r}")
+            w_floor = w
+        if self.horizon < 1:
+            raise ScheduleError(f"horizon must be >= 1 generated positions, got {self.horizon}")
+        if not (self.min_exit_layer <= self.max_exit_layer):
+            raise ScheduleError(
+                f"min_exit_layer ({self.min_exit_layer}) must be <= max_exit_layer "
+                f"({self.max_exit_layer}): budgets may never increase along the sequence"
+            )
+        if self.max_exit_layer > L:
+            raise ScheduleError(
+                f"max_exit_layer ({self.max_exit_layer}) exceeds the model's {L} layers"
+            )
+        if self.min_exit_layer < w_floor + 1:
+            raise ScheduleError(
+                f"min_exit_layer ({self.min_exit_layer}) must be >= warmup_layers + 1 "
+                f"= {w_floor + 1}: the last layer always runs after the warm-up block"
+            )
+
+    # -- budgets -----------------------------------------------------------
+    def budget(self, i: int) -> int:
+        """Number of layers run by generated token ``i`` (0-based)."""
+        if i < 0:
+            raise ScheduleError(f"generated position must be >= 0, got {i}")
+        frac = min(i / self.horizon, 1.0)
+        return _round_half_up(self.max_exit_layer - (self.max_exit_layer - self.min_exit_layer) * frac)
+
+    def budgets(self, n: int) -> list[int]:
+        return [self.budget(i) for i in range(n)]
+
+    def layers(self, i: int) -> list[int]:
+        """The exact, sorted layer indices generated token ``i`` runs."""
+        return layers_for_budget(self.num_layers, self.budget(i), self.warmup_layers, self.mode)
+
+    def layer_runs(self, layer: int, budget: int) -> bool:
+        """Whether ``layer`` runs at this budget (without building the list)."""
+        L = self.num_layers
+        if self.mode == "early_exit":
+            return layer < budget
+        w = self.warmup_layers
+        return layer < w or layer >= L - (budget - w)
+
+    def steps_using_layer(self, layer: int, n_steps: int) -> int:
+        """How many of the first ``n_steps`` decode steps run ``layer``.
+
+        Budgets never increase, so they are always a prefix of the steps; the
+        KV cache of ``layer`` therefore needs only ``prompt + this`` slots.
+        """
+        count = 0
+        for i in range(n_steps):
+            if not self.layer_runs(layer, self.budget(i)):
+                break
+            count += 1
+        return count
+
+    def decode_layer_speedup(self, new_tokens: int) -> float:
+        """``L / mean b(i)`` over the decode steps of ``new_tokens`` new tokens."""
+        steps = max(new_tokens - 1, 0)
+        if steps == 0:
+            return 1.0
+        return self.num_layers * steps / sum(self.budgets(steps))
+
+    # -- construction ------------------------------------------------------
+    @classmethod
+    def full_depth(cls, num_layers: int) -> "SkipSchedule":
+        return cls(num_layers, num_layers, num_layers, horizon=1, warmup_layers=0)
+
+    @classmethod
+    def for_speedup(
+        cls,
+        target: float,
+        expected_new_tokens: int,
+        num_layers: int,
+        *,
+        horizon: int | None = None,
+        warmup_layers: int = 1,
+        mode: str = "skip",
+    ) -> "SkipSchedule":
+        """Solve ``max/min_exit_layer`` so the decode-layer speedup is ``target``.
+
+        ``horizon`` defaults to ``expected_new_tokens`` (the paper used the
+        median generation length). Among schedules that reach the target
+        equally well, the one whose first budget is closest to twice the mean
+        budget is chosen: early positions get more depth, later ones less.
+        The achieved figure is ``schedule.decode_layer_speedup(expected_new_tokens)``.
+        """
+        if not (isinstance(target, (int, float)) and math.isfinite(target)) or target < 1:
+            raise ScheduleError(f"target speedup must be a number >= 1, got {target!r}")
+        if expected_new_tokens < 1:
+            raise ScheduleError(f"expected_new_tokens must be >= 1, got {expected_new_tokens}")
+        w = 0 if mode == "early_exit" else warmup_layers
+        best_possible = num_layers / (w + 1)
+        if target > best_possible + 1e-9:
+            raise ScheduleError(
+                f"a {target}x decode-layer speedup is impossible on {num_layers} layers with "
+                f"{w} warm-up layer(s): at most {best_possible:.2f}x (budget {w + 1} everywhere)"
+            )
+        H = horizon if horizon is not None else max(expected_new_tokens - 1, 1)
+        max_e, min_e = _solve(num_layers, target, max(expected_new_tokens - 1, 1), H, w)
+        return cls(num_layers, max_e, min_e, horizon=H, warmup_layers=warmup_layers, mode=mode)
+
+    # -- files ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, num_layers: int | None = None) -> "SkipSchedule":
+        d = dict(d)
+        known = {"num_layers", "max_exit_layer", "min_exit_layer", "horizon", "warmup_layers", "mode"}
+        unknown = set(d) - known
+        if unknown:
+            raise ScheduleError(f"unknown schedule field(s) {sorted(unknown)}; expected {sorted(known)}")
+        if num_layers is not None:
+            if "num_layers" in d and d["num_layers"] != num_layers:
+                raise ScheduleError(
+                    f"schedule is for {d['num_layers']} layers but the model has {num_layers}"
+                )
+            d["num_layers"] = num_layers
+        missing = {"num_layers", "max_exit_layer", "min_exit_layer", "horizon"} - set(d)
+        if missing:
+            raise ScheduleError(f"schedule is missing field(s) {sorted(missing)}")
+        for k, v in d.items():
+            if k != "mode" and not isinstance(v, int):
+                raise ScheduleError(f"schedule field {k!r} must be an integer, got {v!r}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path, num_layers: int | None = None) -> "SkipSchedule":
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ScheduleError(f"schedule file {p} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ScheduleError(f"schedule file {p} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ScheduleError(f"schedule file {p} must hold a JSON object")
+        return cls.from_dict(d, num_layers)
+
+
+def layers_for_budget(num_layers: int, budget: int, warmup_layers: int, mode: str = "skip") -> list[int]:
+    """Active layer set ``{0..w-1} ∪ {L-(b-w)..L-1}`` (skip) or ``{0..b-1}`` (early exit)."""
+    if mode == "early_exit":
+        return list(range(budget))
+    w = warmup_layers
+    return list(range(w)) + list(range(num_layers - (budget - w), num_layers))
+
+
+@lru_cache(maxsize=256)
+def _solve(L: int, target: float, steps: int, H: int, w: int) -> tuple[int, int]:
+    best: tuple[float, float, int, int] | None = None
+    for max_e in range(w + 1, L + 1):
+        for min_e in range(w + 1, max_e + 1):
+            s = SkipSchedule(L, max_e, min_e, horizon=H, warmup_layers=w)
+            err = abs(s.decode_layer_speedup(steps + 1) - target)
+            shape = abs(max_e - min(L, 2 * L / target))
+            key = (round(err, 9), shape, -max_e, -min_e)
+            if best is None or key < best:
+                best = key
+    assert best is not None
+    return -best[2], -best[3]
