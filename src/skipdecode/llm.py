@@ -1,0 +1,187 @@
+"""The Python front door: load a model once, generate text with a schedule.
+
+    from skipdecode import LLM
+    llm = LLM.load("default")
+    out = llm.generate(["Describe a cheap Italian pub."], speedup=2)
+    print(out[0].text, out[0].decode_layer_speedup)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .checkpoint import load_model
+from .config import ModelError
+from .generate import GenerationError, Sampling, generate_tokens
+from .model import Transformer
+from .schedule import SkipSchedule
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Completion:
+    """One request's output and the numbers a user needs to judge it."""
+
+    prompt: str
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    active_layers: list[list[int]]
+    new_tokens: int
+    finish_reason: str
+    decode_layer_speedup: float
+    seconds: float
+
+    def to_dict(self, trace: bool = False) -> dict:
+        d = asdict(self)
+        if not trace:
+            for k in ("prompt_token_ids", "token_ids", "active_layers"):
+                d.pop(k)
+        return d
+
+
+class _TextTracker:
+    """Incremental detokenization per row, for streaming and stop strings."""
+
+    def __init__(self, tokenizer, n: int):
+        self.tok = tokenizer
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.text = [""] * n
+        self.sent = [0] * n
+
+    def add(self, row: int, token_id: int) -> str:
+        """Append a token; return the newly printable text."""
+        self.ids[row].append(token_id)
+        text = self.tok.decode(self.ids[row], skip_special_tokens=True)
+        self.text[row] = text
+        stable = text[:-1] if text.endswith("\ufffd") else text  # wait for the rest of a UTF-8 char
+        delta = stable[self.sent[row]:]
+        self.sent[row] = max(self.sent[row], len(stable))
+        return delta
+
+
+class LLM:
+    """A loaded model + tokenizer; generation, training and evaluation share it."""
+
+    def __init__(self, model: Transformer, tokenizer, path: Path, eos_token_ids: list[int]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def load(cls, model: str | os.PathLike = "default", dtype: str = "float32", pack: bool = True) -> "LLM":
+        """Load weights once. ``pack`` lays linear weights out for fast CPU decoding."""
+        if dtype not in _DTYPES:
+            raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        net, path = load_model(model, _DTYPES[dtype])
+        if pack:
+            net.pack_for_inference()
+        tokenizer = None
+        if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        eos = list(net.cfg.eos_token_ids)
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.is_file():
+            g = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos += g if isinstance(g, list) else ([g] if g is not None else [])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        return cls(net, tokenizer, path, sorted(set(eos)))
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.cfg.n_layers
+
+    def make_schedule(self, speedup: float | None = None, schedule: SkipSchedule | str | os.PathLike | None = None,
+                      expected_new_tokens: int = 64, mode: str = "skip", warmup_layers: int = 1,
+                      horizon: int | None = None) -> SkipSchedule:
+        """A schedule from a target speedup, a file, or a ready object (full depth if none)."""
+        if speedup is not None and schedule is not None:
+            raise GenerationError("give either a target speedup or a schedule, not both")
+        if isinstance(schedule, SkipSchedule):
+            if schedule.num_layers != self.num_layers:
+                raise GenerationError(f"schedule is for {schedule.num_layers} layers, the model has {self.num_layers}")
+            return schedule
+        if schedule is not None:
+            return SkipSchedule.from_file(schedule, self.num_layers)
+        if speedup is None or speedup == 1:
+            return SkipSchedule.full_depth(self.num_layers)
+        return SkipSchedule.for_speedup(speedup, expected_new_tokens, self.num_layers, horizon=horizon,
+                                        warmup_layers=warmup_layers, mode=mode)
+
+    def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise GenerationError(f"{self.path} has no tokenizer; pass token ids to generate_tokens instead")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise GenerationError("prompt is empty: give some text")
+        use_chat = self.tokenizer.chat_template is not None if chat is None else chat
+        if use_chat:
+            if self.tokenizer.chat_template is None:
+                raise GenerationError(f"{self.path} has no chat template; generate without chat")
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        speedup: float | None = None,
+        schedule: SkipSchedule | str | os.PathLike | None = None,
+        max_new_tokens: int = 64,
+        expected_new_tokens: int | None = None,
+        mode: str = "skip",
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+        system: str | None = None,
+        ignore_eos: bool = False,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[Completion]:
+        """Generate for one or many prompts in one batch; see ``Completion``."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        sched = self.make_schedule(speedup, schedule, expected_new_tokens or max_new_tokens, mode)
+        ids = [self.encode(p, chat, system) for p in prompts]
+        tracker = _TextTracker(self.tokenizer, len(ids))
+        stops = [s for s in stop if s]
+
+        def on_token(row: int, tok: int) -> None:
+            delta = tracker.add(row, tok)
+            if on_text is not None and delta:
+                on_text(row, delta)
+
+        def stop_fn(row: int, _token_ids: list[int]) -> bool:
+            return any(s in tracker.text[row] for s in stops)
+
+        rows, _ = generate_tokens(
+            self.model, ids, sched, max_new_tokens,
+            sampling=Sampling(temperature, top_k, top_p, seed),
+            eos_token_ids=() if ignore_eos else self.eos_token_ids,
+            stop=stop_fn if stops else None,
+            on_token=on_token,
+            pad_id=self.tokenizer.pad_token_id or 0,
+        )
+        out = []
+        for p, pid, r in zip(prompts, ids, rows):
+            text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            if r.finish_reason == "stop":
+                cut = min(text.find(s) for s in stops if s in text)
+                text = text[:cut]
+            out.append(Completion(p, text, pid, r.token_ids, r.active_layers, len(r.token_ids),
+                                  r.finish_reason, r.decode_layer_speedup, r.seconds))
+        return out
