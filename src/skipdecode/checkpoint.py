@@ -72,6 +72,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     """
     if (out / "model.safetensors").is_file():
         return out
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes)")
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -97,19 +100,31 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    import pickle
+
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
     if files:
         sd: dict[str, torch.Tensor] = {}
         for f in files:
-            sd.update(load_file(f))
+            try:
+                sd.update(load_file(f))
+            except SafetensorError as e:
+                raise ModelError(f"cannot read {f}: {e} (truncated or not a safetensors file?)") from None
         return sd
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         sd = {}
         for f in bins:
-            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            try:
+                sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            except pickle.UnpicklingError:
+                raise ModelError(f"{f} holds Python objects, not just tensors; skipdecode never "
+                                 "unpickles code (torch.load weights_only=True refused it)") from None
+            except (RuntimeError, EOFError) as e:
+                raise ModelError(f"cannot read {f}: {e}") from None
         return sd
     raise ModelError(f"{path} holds no weights (*.safetensors or pytorch_model*.bin)")
 
@@ -214,6 +229,165 @@ def convert_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
     return out
+
+
+def export_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of ``convert_state_dict``: our fused names back to transformers' names.
+
+    Trained weights must load in transformers itself (``AutoModelForCausalLM``),
+    so q/k/v and gate/up are split again, GPT-2's Conv1D weights transposed back,
+    and the prefixes transformers' ``*ForCausalLM`` classes save under restored.
+    Every tensor is a fresh contiguous copy (safetensors refuses shared storage);
+    a tied LM head is left out, as transformers itself saves it.
+    """
+    out: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+
+    def take(name: str) -> torch.Tensor | None:
+        t = sd.get(name)
+        if t is None:
+            missing.append(name)
+        return t
+
+    def put(name: str, t: torch.Tensor | None, transpose: bool = False) -> None:
+        if t is not None:
+            out[name] = (t.t() if transpose else t).detach().contiguous().clone()
+
+    def split(name: str, sizes: list[int], names: list[str]) -> None:
+        t = take(name)
+        if t is not None:
+            if t.shape[0] != sum(sizes):
+                raise ModelError(f"tensor {name} has {t.shape[0]} rows, config expects {sum(sizes)}")
+            for n, part in zip(names, t.split(sizes, dim=0)):
+                put(n, part)
+
+    def norm(theirs: str, ours: str, bias: bool) -> None:
+        put(f"{theirs}.weight", take(f"{ours}.weight"))
+        if bias:
+            put(f"{theirs}.bias", take(f"{ours}.bias"))
+
+    H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv_sizes = [H * hd, K * hd, K * hd]
+    if cfg.arch == "llama":
+        P = "model."
+        put(f"{P}embed_tokens.weight", take("tok_emb.weight"))
+        norm(f"{P}norm", "norm", False)
+        for i in range(cfg.n_layers):
+            o, h = f"layers.{i}", f"{P}layers.{i}"
+            a, m = f"{h}.self_attn", f"{h}.mlp"
+            norm(f"{h}.input_layernorm", f"{o}.attn_norm", False)
+            norm(f"{h}.post_attention_layernorm", f"{o}.mlp_norm", False)
+            split(f"{o}.wqkv.weight", qkv_sizes, [f"{a}.{p}_proj.weight" for p in "qkv"])
+            if cfg.qkv_bias:
+                split(f"{o}.wqkv.bias", qkv_sizes, [f"{a}.{p}_proj.bias" for p in "qkv"])
+            put(f"{a}.o_proj.weight", take(f"{o}.wo.weight"))
+            if cfg.o_bias:
+                put(f"{a}.o_proj.bias", take(f"{o}.wo.bias"))
+            I = cfg.intermediate_size
+            split(f"{o}.w13.weight", [I, I], [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"])
+            put(f"{m}.down_proj.weight", take(f"{o}.w2.weight"))
+            if cfg.mlp_bias:
+                split(f"{o}.w13.bias", [I, I], [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"])
+                put(f"{m}.down_proj.bias", take(f"{o}.w2.bias"))
+    elif cfg.arch == "opt":
+        P = "model.decoder."
+        put(f"{P}embed_tokens.weight", take("tok_emb.weight"))
+        put(f"{P}embed_positions.weight", take("pos_emb.weight"))
+        if cfg.embed_proj_dim:
+            put(f"{P}project_in.weight", take("project_in.weight"))
+            put(f"{P}project_out.weight", take("project_out.weight"))
+        if cfg.final_norm:
+            norm(f"{P}final_layer_norm", "norm", True)
+        b = cfg.qkv_bias
+        for i in range(cfg.n_layers):
+            o, h = f"layers.{i}", f"{P}layers.{i}"
+            a = f"{h}.self_attn"
+            norm(f"{h}.self_attn_layer_norm", f"{o}.attn_norm", True)
+            norm(f"{h}.final_layer_norm", f"{o}.mlp_norm", True)
+            split(f"{o}.wqkv.weight", qkv_sizes, [f"{a}.{p}_proj.weight" for p in "qkv"])
+            put(f"{a}.out_proj.weight", take(f"{o}.wo.weight"))
+            put(f"{h}.fc1.weight", take(f"{o}.w13.weight"))
+            put(f"{h}.fc2.weight", take(f"{o}.w2.weight"))
+            if b:
+                split(f"{o}.wqkv.bias", qkv_sizes, [f"{a}.{p}_proj.bias" for p in "qkv"])
+                put(f"{a}.out_proj.bias", take(f"{o}.wo.bias"))
+                put(f"{h}.fc1.bias", take(f"{o}.w13.bias"))
+                put(f"{h}.fc2.bias", take(f"{o}.w2.bias"))
+    elif cfg.arch == "gpt2":  # Conv1D stores weights as (in, out): transpose back
+        P = "transformer."
+        put(f"{P}wte.weight", take("tok_emb.weight"))
+        put(f"{P}wpe.weight", take("pos_emb.weight"))
+        norm(f"{P}ln_f", "norm", True)
+        for i in range(cfg.n_layers):
+            o, h = f"layers.{i}", f"{P}h.{i}"
+            norm(f"{h}.ln_1", f"{o}.attn_norm", True)
+            norm(f"{h}.ln_2", f"{o}.mlp_norm", True)
+            put(f"{h}.attn.c_attn.weight", take(f"{o}.wqkv.weight"), True)
+            put(f"{h}.attn.c_attn.bias", take(f"{o}.wqkv.bias"))
+            put(f"{h}.attn.c_proj.weight", take(f"{o}.wo.weight"), True)
+            put(f"{h}.attn.c_proj.bias", take(f"{o}.wo.bias"))
+            put(f"{h}.mlp.c_fc.weight", take(f"{o}.w13.weight"), True)
+            put(f"{h}.mlp.c_fc.bias", take(f"{o}.w13.bias"))
+            put(f"{h}.mlp.c_proj.weight", take(f"{o}.w2.weight"), True)
+            put(f"{h}.mlp.c_proj.bias", take(f"{o}.w2.bias"))
+    else:
+        raise ModelError(f"cannot export architecture {cfg.arch!r}")
+    if not cfg.tie_embeddings:
+        put("lm_head.weight", take("lm_head.weight"))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelError(f"state dict is missing {len(missing)} tensor(s): {shown}")
+    return out
+
+
+def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None = None) -> Path:
+    """Write ``net`` into ``out`` as a Hugging Face model directory.
+
+    ``source`` is the HF directory the model was loaded from: its config.json,
+    generation config and tokenizer files are reused; the weights come from
+    ``export_state_dict``. ``extra`` is written as ``skipdecode.json``. ``out``
+    may hold other files (a training run's log and checkpoints): each file is
+    written aside and renamed into place, config.json last, so a directory
+    with a config.json always has complete weights next to it.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = export_state_dict(net.cfg, {k: v.float() if v.is_floating_point() else v
+                                     for k, v in net.state_dict().items()})
+    cfg = json.loads((Path(source) / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "float32"
+    (out / "config.json").unlink(missing_ok=True)
+    _atomic_write(out / "model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"}))
+    for name in _HF_SIDE_FILES:
+        src = Path(source) / name
+        if src.is_file() and src.resolve() != (out / name).resolve():
+            _atomic_write(out / name, lambda f, src=src: shutil.copyfile(src, f))
+    if extra is not None:
+        _atomic_write(out / "skipdecode.json", lambda f: Path(f).write_text(json.dumps(extra, indent=2) + "\n"))
+    _atomic_write(out / "config.json", lambda f: Path(f).write_text(json.dumps(cfg, indent=2) + "\n"))
+    return out
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Call ``write(tmp_name)`` on a temporary file next to ``path``, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a model directory is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# Files of a HF model directory that describe tokenization and generation, not weights.
+_HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+                  "added_tokens.json")
 
 
 def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[Transformer, Path]:

@@ -16,7 +16,7 @@ from .config import ModelError
 from .generate import GenerationError
 from .schedule import ScheduleError
 
-USER_ERRORS = (ModelError, ScheduleError, GenerationError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ModelError, ScheduleError, GenerationError, FileNotFoundError)
 
 DEMO_PROMPTS = [
     "Write one sentence describing this restaurant: name[The Eagle], eatType[coffee shop], "
@@ -141,14 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     b.set_defaults(func=cmd_bench)
+    from .evaluate import add_evaluate_cli
+    from .train import add_train_cli
+
+    add_train_cli(sub)  # the `train` verb lives in train.py
+    add_evaluate_cli(sub)
     return p
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .data import DataError
+    from .train import TrainError
+
+    return USER_ERRORS + (DataError, TrainError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         print(f"skipdecode: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -86,10 +86,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_pos
     for r, p in enumerate(prompts):
         if len(p) == 0:
             raise GenerationError(f"prompt {r} is empty: give at least one token")
-        if len(p) + max_new_tokens > max_position:
+        if len(p) + max_new_tokens - 1 > max_position:  # the last new token is never fed back
             raise GenerationError(
                 f"prompt {r} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                f"{len(p) + max_new_tokens} positions but the model's context is {max_position}: "
+                f"{len(p) + max_new_tokens - 1} positions but the model's context is {max_position}: "
                 "shorten the prompt or lower max_new_tokens"
             )
 

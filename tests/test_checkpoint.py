@@ -1,0 +1,180 @@
+"""Checkpoints load as weights only, from safetensors (sharded too), ``.bin``
+and GGUF; a GGUF is converted once and the conversion is reused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import skipdecode.checkpoint as ckpt
+from conftest import VOCAB
+from skipdecode.checkpoint import load_model, resolve
+
+
+def _logits(net, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return net(tokens, torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1))
+
+
+TOKENS = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+
+
+def test_bin_checkpoint_loads_with_weights_only(tiny_dirs, hf_llama, tmp_path, monkeypatch):
+    d = tmp_path / "bin"
+    d.mkdir()
+    hf_llama.config.save_pretrained(d)
+    torch.save(hf_llama.state_dict(), d / "pytorch_model.bin")
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(kw) or real_load(*a, **kw))
+    net, path = load_model(d)
+    assert path == d
+    assert calls and all(kw.get("weights_only") is True for kw in calls)
+    ref, _ = load_model(tiny_dirs["llama"])
+    assert torch.equal(_logits(net, TOKENS), _logits(ref, TOKENS))
+    with torch.no_grad():
+        assert (_logits(net, TOKENS) - hf_llama(TOKENS).logits).abs().max() <= 1e-4
+
+
+def test_sharded_safetensors_load(hf_llama, tiny_dirs, tmp_path):
+    d = tmp_path / "sharded"
+    hf_llama.save_pretrained(d, max_shard_size="40KB")
+    assert len(list(d.glob("*.safetensors"))) > 1
+    net, _ = load_model(d)
+    ref, _ = load_model(tiny_dirs["llama"])
+    assert torch.equal(_logits(net, TOKENS), _logits(ref, TOKENS))
+
+
+def test_tied_head_shares_the_embedding(tiny_models):
+    for name in ("opt", "gpt2", "llama3_rope"):
+        net = tiny_models[name]
+        assert net.cfg.tie_embeddings and net.lm_head.weight is net.tok_emb.weight
+    assert not tiny_models["llama"].cfg.tie_embeddings
+    assert not torch.equal(tiny_models["llama"].lm_head.weight, tiny_models["llama"].tok_emb.weight)
+
+
+def test_bfloat16_load(tiny_dirs, tiny_models):
+    from skipdecode import LLM
+
+    llm = LLM.load(tiny_dirs["gpt2"], dtype="bfloat16")  # packing is fp32-only: skipped, not an error
+    assert all(p.dtype == torch.bfloat16 for p in llm.model.parameters())
+    diff = (_logits(llm.model, TOKENS).float() - _logits(tiny_models["gpt2"], TOKENS)).abs().max().item()
+    assert diff < 0.5  # bf16 rounding only
+
+
+# -- GGUF -----------------------------------------------------------------------
+
+def write_tiny_llama_gguf(hf, path: Path) -> Path:
+    """Write a transformers Llama as an fp32 GGUF the way llama.cpp's converter
+    does (q/k rows permuted for its RoPE layout), with a byte-level vocabulary."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    c = hf.config
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    b2u = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([b2u[i] for i in range(256)])
+    w.add_token_types([1] * 256)
+    w.add_token_scores([0.0] * 256)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for theirs, g in names.items():
+            t = sd[f"model.layers.{i}.{theirs}.weight"]
+            if theirs == "self_attn.q_proj":
+                t = permute(t, c.num_attention_heads)
+            elif theirs == "self_attn.k_proj":
+                t = permute(t, c.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _no_conversion(monkeypatch):
+    import transformers.modeling_gguf_pytorch_utils as g
+
+    def fail(*a, **kw):
+        raise AssertionError("the GGUF was converted again")
+
+    monkeypatch.setattr(g, "load_gguf_checkpoint", fail)
+    monkeypatch.setattr(ckpt.tempfile, "mkdtemp", fail)
+
+
+def test_gguf_file_loads_and_converts_once(hf_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))
+    gguf_path = write_tiny_llama_gguf(hf_llama, tmp_path / "tiny.gguf")
+
+    net, path = load_model(gguf_path)
+    assert path.parent == tmp_path / "cache" and path.name.startswith("tiny-")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name], "no half-written conversion left"
+    with torch.no_grad():
+        assert (_logits(net, TOKENS) - hf_llama(TOKENS).logits).abs().max().item() <= 1e-4
+
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    with monkeypatch.context() as m:
+        _no_conversion(m)
+        again, path2 = load_model(gguf_path)
+    assert path2 == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert torch.equal(_logits(again, TOKENS), _logits(net, TOKENS))
+
+    # the tokenizer came along: the whole LLM runs from the .gguf path
+    from skipdecode import LLM
+
+    llm = LLM.load(gguf_path)
+    assert llm.encode("hi", chat=False) == [104, 105]
+    (out,) = llm.generate("hi", max_new_tokens=3, chat=False, ignore_eos=True)
+    assert out.new_tokens == 3
+
+    # a changed file is a different model: converted anew, not served stale
+    st = gguf_path.stat()
+    os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert resolve(gguf_path) != path
+
+
+@pytest.mark.slow
+def test_default_model_conversion_is_cached(default_llm, monkeypatch):
+    """``default`` is converted once into the cache; later loads only read it."""
+    path = default_llm.path
+    assert path.parent == ckpt.cache_dir()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    _no_conversion(monkeypatch)
+    assert resolve("default") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert default_llm.num_layers == 30 and default_llm.model.cfg.n_kv_heads == 3

@@ -1,0 +1,275 @@
+"""Skip-aware fine-tuning: the batch layout matches generation exactly, training runs end to end
+(full and LoRA), exports load in transformers, and a SIGKILLed run resumes to the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from _train_helpers import make_tiny, one_thread, weights, write_e2e_csv, write_jsonl  # noqa: E402
+from skipdecode.checkpoint import (convert_state_dict, export_state_dict, load_model,  # noqa: E402
+                                   read_state_dict, save_hf_model)
+from skipdecode.generate import generate_tokens  # noqa: E402
+from skipdecode.schedule import SkipSchedule  # noqa: E402
+from skipdecode.train import (IGNORE, LORA_TARGETS, TrainConfig, TrainError, active_lengths,  # noqa: E402
+                              batch_loss_sum, draw_schedule, global_batch_indices, make_batch,
+                              measure_step_time, merge_lora, train)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tmp_path_factory) -> Path:
+    """8-layer random Llama with the SmolLM2 tokenizer (and its chat template)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", layers=8)
+
+
+@pytest.fixture(scope="module")
+def e2e_csv(tmp_path_factory) -> Path:
+    return write_e2e_csv(tmp_path_factory.mktemp("data") / "e2e.csv")
+
+
+def _run_cfg(model: Path, data: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(model=str(model), data=str(data), output_dir=str(out), steps=6, batch_size=4, lr=3e-3,
+                speedups=[1.0, 3.0], val_groups=1, save_every=0, eval_examples=4, progress=False, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+# -- the layout: exact alignment with generation -----------------------------------------------
+def test_batch_layout_labels_and_active_len():
+    sched = SkipSchedule(8, 6, 3, horizon=3, warmup_layers=1)  # budgets 6, 5, 4, 3, 3, ...
+    items = [([11, 12, 13], [21, 22, 23, 24, 25]), ([31], [41, 42])]
+    b = make_batch(items, sched, pad_id=0)
+    assert b.t0 == 3
+    assert b.tokens.tolist() == [[11, 12, 13, 21, 22, 23, 24], [0, 0, 31, 41, 0, 0, 0]]
+    assert b.labels.tolist() == [[IGNORE, IGNORE, 21, 22, 23, 24, 25], [IGNORE, IGNORE, 41, 42] + [IGNORE] * 3]
+    assert b.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]
+    assert b.key_valid.tolist() == [[True] * 7, [False, False] + [True] * 5]
+    # input column T0+j holds target token j and runs layers(b(j)); prompt columns run all layers
+    assert b.active_len == [7, 3, 3, 4, 5, 6, 7, 7]
+    for layer in range(8):
+        runs = [layer in sched.layers(j) for j in range(4)]
+        assert runs == sorted(runs, reverse=True)  # a prefix of the target inputs
+        assert b.active_len[layer] == 3 + sum(runs)
+    assert b.target_tokens == 7 and b.input_tokens == 3 + 4 + 1 + 1
+    assert active_lengths(SkipSchedule.full_depth(8), 3, 5) == [7] * 8
+    assert make_batch(items, SkipSchedule.full_depth(8)).active_len is None
+
+
+def test_teacher_forcing_reproduces_skip_generation(tmp_path):
+    """Greedy tokens generated with a 3x schedule are exactly the argmax of the training pass."""
+    net, _ = load_model(make_tiny(tmp_path / "m", vocab=256, layers=8, tokenizer=False))
+    sched = SkipSchedule(8, 6, 2, horizon=6, warmup_layers=1)
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41]]
+    rows, _ = generate_tokens(net, prompts, sched, 10)
+    targets = [r.token_ids for r in rows]
+    for r in rows:  # generation fed token i through layers(b(i))
+        assert r.active_layers[:9] == [sched.layers(i) for i in range(9)]
+    b = make_batch(list(zip(prompts, targets)), sched)
+    with torch.no_grad():
+        logits = net(b.tokens, b.positions, b.active_len, key_valid=b.key_valid)
+        full = net(b.tokens, b.positions, None, key_valid=b.key_valid)
+    s = b.t0 - 1
+    for r, t in enumerate(targets):
+        assert logits[r, s:s + len(t)].argmax(-1).tolist() == t
+    # the check has teeth: at full depth the same inputs predict other tokens
+    assert any(full[r, s:s + len(t)].argmax(-1).tolist() != t for r, t in enumerate(targets))
+    # and the loss only reads target positions: changing padding tokens changes nothing
+    b2 = make_batch(list(zip(prompts, targets)), sched, pad_id=77)
+    with torch.no_grad():
+        assert torch.allclose(batch_loss_sum(net, b), batch_loss_sum(net, b2), atol=1e-5)
+
+
+def test_schedule_draws_and_data_order_are_pure_functions():
+    labels = ["1x", "2x", "3x", "4x", "5x"]
+    seq = [draw_schedule(labels, 7, s) for s in range(200)]
+    assert seq == [draw_schedule(labels, 7, s) for s in range(200)]
+    assert set(seq) == set(labels)
+    assert seq != [draw_schedule(labels, 8, s) for s in range(200)]
+    epoch = [i for s in range(5) for i in global_batch_indices(20, 4, s, seed=1)]
+    assert sorted(epoch) == list(range(20))  # one epoch visits every example once
+    assert global_batch_indices(20, 4, 5, 1) == global_batch_indices(20, 4, 5, 1)
+
+
+# -- end to end -------------------------------------------------------------------------------------
+def test_full_finetune_end_to_end_exports_hf_directory(tmp_path, tiny_text, e2e_csv):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    r = train(_run_cfg(tiny_text, e2e_csv, out))
+    log = _log(out)
+    assert [x["step"] for x in log] == list(range(1, 7))
+    assert {x["schedule_target"] for x in log} <= {"1x", "3x"}
+    for x in log:
+        assert x["tokens"] > x["target_tokens"] > 0 and x["seconds"] > 0 and x["lr"] > 0
+    assert log[0]["lr"] < log[1]["lr"] > log[2]["lr"] > log[5]["lr"]  # warm-up, then cosine decay
+    assert sum(x["loss"] for x in log[-2:]) / 2 < log[0]["loss"] - 0.5
+    assert set(r.validation_loss) == {"1x", "3x"}
+    # a Hugging Face directory: transformers loads it and agrees with our model
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "skipdecode.json"):
+        assert (out / f).is_file(), f
+    assert not (out / "checkpoints").exists()
+    meta = json.loads((out / "skipdecode.json").read_text())
+    assert set(meta["schedules"]) == {"1x", "3x"} and meta["config"]["speedups"] == [1.0, 3.0]
+    assert meta["decode_layer_speedup"]["3x"] == pytest.approx(3.0, rel=0.1)
+    changed = weights(out)
+    before = weights(tiny_text)
+    assert not torch.equal(changed["model.layers.0.self_attn.q_proj.weight"],
+                           before["model.layers.0.self_attn.q_proj.weight"])
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ours, _ = load_model(out)
+    x = torch.tensor([[1, 52, 95, 198, 40, 17, 300]])
+    with torch.no_grad():
+        ref = hf(x).logits
+        got = ours(x, torch.arange(7)[None])
+    assert torch.allclose(ref, got, atol=1e-4)
+    from skipdecode import LLM
+
+    out_llm = LLM.load(out).generate("Describe Aromi.", speedup=3, max_new_tokens=3, ignore_eos=True)
+    assert out_llm[0].new_tokens == 3
+    # a finished run is neither silently retrained nor "resumed" from scratch
+    with pytest.raises(TrainError, match="already holds a training run"):
+        train(_run_cfg(tiny_text, e2e_csv, out))
+    with pytest.raises(TrainError, match="already complete"):
+        train(_run_cfg(tiny_text, e2e_csv, out, resume=True))
+    with pytest.raises(TrainError, match="--merge"):
+        train(_run_cfg(tiny_text, e2e_csv, tmp_path / "x", merge=True))
+
+
+@pytest.mark.parametrize("arch", ["llama_untied", "opt", "gpt2"])
+def test_export_state_dict_inverts_convert(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny(tmp_path / "src", arch=arch, layers=2, tokenizer=False)
+    net, path = load_model(src)
+    hf_sd = read_state_dict(src)
+    exported = export_state_dict(net.cfg, net.state_dict())
+    for k, v in exported.items():
+        assert torch.equal(v, hf_sd[k]), k
+    assert set(hf_sd) - set(exported) <= {"lm_head.weight"}  # only a tied head is left out
+    back = convert_state_dict(net.cfg, exported)
+    for k, v in net.state_dict().items():
+        if k in back:
+            assert torch.equal(back[k], v), k
+    out = save_hf_model(net, path, tmp_path / "out", {"note": "export test"})
+    x = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(src).eval()(x).logits
+        b = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
+    assert torch.equal(a, b)
+    assert json.loads((out / "skipdecode.json").read_text()) == {"note": "export test"}
+
+
+def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    r = train(_run_cfg(tiny_text, e2e_csv, out, lora=True, lora_r=4, steps=3, lr=1e-2, merge=True,
+                       speedups=[2.0], eval_examples=0))
+    acfg = json.loads((out / "adapter_config.json").read_text())
+    assert (out / "adapter_model.safetensors").is_file()
+    assert set(acfg["target_modules"]) == set(LORA_TARGETS) and acfg["r"] == 4
+    assert Path(acfg["base_model_name_or_path"]) == tiny_text.resolve()
+    assert r.merged_dir == out / "merged" and (out / "merged" / "config.json").is_file()
+    x = torch.tensor([[1, 52, 95, 198, 40, 17]])
+    pos = torch.arange(6)[None]
+    base, _ = load_model(tiny_text)
+    with torch.no_grad():
+        base_logits = base(x, pos)
+        adapted = PeftModel.from_pretrained(base, str(out)).eval()(x, pos)
+        merged_hf = AutoModelForCausalLM.from_pretrained(out / "merged").eval()(x).logits
+    assert not torch.allclose(adapted, base_logits, atol=1e-3)  # training moved the adapter
+    assert torch.allclose(merged_hf, adapted, atol=1e-4)
+    again = merge_lora(out, tmp_path / "merged2")
+    a, b = weights(out / "merged"), weights(again)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_measure_step_time_reports_ratio_and_work(tmp_path, tiny_text):
+    from transformers import AutoTokenizer
+
+    from skipdecode.data import encode_example
+    from skipdecode.train import prepare_model
+
+    net, _ = load_model(tiny_text)
+    tok = AutoTokenizer.from_pretrained(tiny_text)
+    items = [encode_example(tok, "Describe a pub.", "The Punter is a pub near the river.")] * 4
+    scheds = {"1x": SkipSchedule.full_depth(8), "3x": SkipSchedule.for_speedup(3, 12, 8)}
+    r = measure_step_time(prepare_model(net, TrainConfig()), items, scheds, repeats=1, warmup=1)
+    b = make_batch(items, scheds["3x"])
+    assert r["work_fraction"]["1x"] == 1.0
+    assert r["work_fraction"]["3x"] == pytest.approx(sum(b.active_len) / (b.tokens.shape[1] * 8))
+    assert r["work_fraction"]["3x"] < 0.95
+    assert r["ratio"] > 0 and all(v > 0 for v in r["seconds"].values())
+
+
+def test_cli_reports_malformed_data(tmp_path, tiny_text, capsys):
+    from skipdecode.cli import main
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "target": "b"}, '{"prompt": "a"'])
+    assert main(["train", "--model", str(tiny_text), "--data", str(bad), "-o", str(tmp_path / "o")]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+
+
+# -- fault tolerance ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("lora,fault", [(False, "kill_after_step=5"), (True, "kill_in_save=6")])
+def test_sigkill_then_resume_reaches_the_same_weights(tmp_path, tiny_text, e2e_csv, lora, fault):
+    common = dict(steps=8, save_every=2, seed=3, speedups=[1.0, 2.0, 3.0], lr=1e-3, eval_examples=0,
+                  lora=lora, lora_r=4, lora_dropout=0.2)
+    ref = tmp_path / "ref"
+    train(_run_cfg(tiny_text, e2e_csv, ref, **common))
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "skipdecode.cli", "train", "--model", str(tiny_text), "--data", str(e2e_csv),
+           "-o", str(out), "--steps", "8", "--batch-size", "4", "--lr", "1e-3", "--speedups", "1,2,3",
+           "--val-groups", "1", "--save-every", "2", "--seed", "3", "--eval-examples", "0", "--no-progress"]
+    if lora:
+        cmd += ["--lora", "--lora-r", "4", "--lora-dropout", "0.2"]
+    env = dict(os.environ, SKIPDECODE_FAULT=fault, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert (out / "checkpoints" / "step-000004" / "state.json").is_file()
+    assert not (out / "config.json").exists() and not (out / "adapter_config.json").exists()
+    if fault.startswith("kill_in_save"):  # the cut-short checkpoint is only a .tmp
+        assert (out / "checkpoints" / "step-000006.tmp").is_dir()
+        assert not (out / "checkpoints" / "step-000006").exists()
+    else:
+        assert [x["step"] for x in _log(out)] == [1, 2, 3, 4, 5]
+
+    train(_run_cfg(tiny_text, e2e_csv, out, resume=True, **common))
+    log, ref_log = _log(out), _log(ref)
+    assert [x["step"] for x in log] == list(range(1, 9))
+    assert [x["schedule_target"] for x in log] == [x["schedule_target"] for x in ref_log]
+    for a, b in zip(log, ref_log):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    from safetensors.torch import load_file
+
+    got, want = load_file(str(out / name)), load_file(str(ref / name))
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-6, rtol=0), k
+    if not lora:
+        assert not torch.equal(want["model.layers.3.mlp.up_proj.weight"],
+                               weights(tiny_text)["model.layers.3.mlp.up_proj.weight"])

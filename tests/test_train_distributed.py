@@ -1,0 +1,70 @@
+"""Training under torchrun: 2 CPU processes (gloo) end with identical weights and reproduce the
+loss of one process on the same global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from _train_helpers import make_tiny, one_thread, write_e2e_csv  # noqa: E402
+from skipdecode.train import TrainConfig, train  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def test_ddp_two_ranks_match_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    model = make_tiny(tmp_path / "model", layers=6)
+    data = write_e2e_csv(tmp_path / "e2e.csv")
+    base = TrainConfig(model=str(model), data=str(data), output_dir="", steps=3, batch_size=4, lr=3e-3,
+                       speedups=[1.0, 2.0], val_groups=1, save_every=0, eval_examples=0, progress=False, seed=5)
+
+    single = train(dataclasses.replace(base, output_dir=str(tmp_path / "single")))
+    want = {k: v for k, v in single.model.state_dict().items() if k != "lm_head.weight"}
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    # 2 ranks x 2 micro-batches of 1 example = the same global batch of 4 (exercises no_sync too)
+    ddp_cfg = dataclasses.asdict(dataclasses.replace(base, output_dir=str(tmp_path / "ddp"), grad_accum=2))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), json.dumps(ddp_cfg), str(dump)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    r0, r1 = load_file(str(dump / "rank0.safetensors")), load_file(str(dump / "rank1.safetensors"))
+    assert set(r0) == set(r1) == set(want)
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k  # DDP keeps the replicas bit-identical
+        # Same update as one process, up to float noise. Adam divides by sqrt(v): a gradient
+        # element that is ~0 may flip under reordered sums and move by ~lr, so a rare element
+        # may differ by more than 1e-5; the bulk must agree to float precision.
+        d = (r0[k] - want[k]).abs()
+        assert d.mean() < 1e-7 and (d > 1e-5).float().mean() < 0.01, k
+    before = load_file(str(model / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
+    assert not torch.equal(r0["layers.0.attn_norm.weight"], before)  # training moved the weights
+
+    log = [json.loads(x) for x in (tmp_path / "ddp" / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2, 3]
+    for a, b in zip(log, single.losses):
+        assert a["loss"] == pytest.approx(b, abs=1e-5)
+    meta = json.loads((tmp_path / "ddp" / "skipdecode.json").read_text())
+    assert meta["world_size"] == 2 and meta["max_abs_diff_across_ranks"] == 0.0
+    assert (tmp_path / "ddp" / "model.safetensors").is_file()
