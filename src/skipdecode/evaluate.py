@@ -75,7 +75,7 @@ def expected_length(llm: LLM, items: Sequence[EvalItem], chat: bool | None = Non
 def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedups: Sequence[float] = (1, 2, 3),
              limit: int | None = None, out: str | os.PathLike | None = None, split: str = "all",
              batch_size: int = 16, max_new_tokens: int | None = None, expected_new_tokens: int | None = None,
-             horizon: int | None = None, warmup_layers: int = 1, mode: str = "skip", bertscore: bool = True,
+             horizon: int | None = None, warmup_layers: int | None = None, mode: str = "skip", bertscore: bool = True,
              val_groups: int = 60, seed: int = 0, llm: LLM | None = None) -> dict[str, Any]:
     """Generate and score every item at every speedup; returns (and writes) the report."""
     items = load_items(task, data, split, val_groups, seed)
@@ -84,13 +84,14 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
     if not items:
         raise DataError(f"{data}: no items to evaluate")
     llm = llm or LLM.load(model)
-    exp = expected_new_tokens or expected_length(llm, items)
+    # schedules: the model's training schedules if it has them, else solved for the median reference length
+    exp = expected_new_tokens or llm.training.get("expected_new_tokens") or expected_length(llm, items)
     max_new = max_new_tokens or max(64, 2 * exp)
     L = llm.num_layers
     results = []
     for sp in speedups:
-        sched = llm.make_schedule(speedup=sp, expected_new_tokens=exp, mode=mode, warmup_layers=warmup_layers,
-                                  horizon=horizon)
+        sched = llm.make_schedule(speedup=sp, expected_new_tokens=expected_new_tokens, mode=mode,
+                                  warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp)
         t = time.perf_counter()
         outs = []
         for i in range(0, len(items), batch_size):
@@ -142,7 +143,7 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--expected-new-tokens", type=int, default=None,
                    help="length the schedules are solved for (default: median reference length)")
     e.add_argument("--horizon", type=int, default=None)
-    e.add_argument("--warmup-layers", type=int, default=1)
+    e.add_argument("--warmup-layers", type=int, default=None)
     e.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
     e.add_argument("--no-bertscore", action="store_true")
     e.add_argument("--out", required=True, help="report JSON")

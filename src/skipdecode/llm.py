@@ -80,6 +80,10 @@ class LLM:
         self.tokenizer = tokenizer
         self.path = path
         self.eos_token_ids = eos_token_ids
+        # A skip-trained checkpoint records the schedules it was trained with;
+        # a target speedup then means exactly that schedule.
+        meta = path / "skipdecode.json"
+        self.training: dict = json.loads(meta.read_text()) if meta.is_file() else {}
 
     @classmethod
     def load(cls, model: str | os.PathLike = "default", dtype: str = "float32", pack: bool = True) -> "LLM":
@@ -108,9 +112,14 @@ class LLM:
         return self.model.cfg.n_layers
 
     def make_schedule(self, speedup: float | None = None, schedule: SkipSchedule | str | os.PathLike | None = None,
-                      expected_new_tokens: int = 64, mode: str = "skip", warmup_layers: int = 1,
-                      horizon: int | None = None) -> SkipSchedule:
-        """A schedule from a target speedup, a file, or a ready object (full depth if none)."""
+                      expected_new_tokens: int | None = None, mode: str = "skip", warmup_layers: int | None = None,
+                      horizon: int | None = None, default_new_tokens: int = 64) -> SkipSchedule:
+        """A schedule from a target speedup, a file, or a ready object (full depth if none).
+
+        For a checkpoint trained with skipdecode, a target it was trained at
+        (and no explicit length, horizon or warm-up) gives exactly the training
+        schedule; other targets are solved for its training length.
+        """
         if speedup is not None and schedule is not None:
             raise GenerationError("give either a target speedup or a schedule, not both")
         if isinstance(schedule, SkipSchedule):
@@ -121,8 +130,16 @@ class LLM:
             return SkipSchedule.from_file(schedule, self.num_layers)
         if speedup is None or speedup == 1:
             return SkipSchedule.full_depth(self.num_layers)
-        return SkipSchedule.for_speedup(speedup, expected_new_tokens, self.num_layers, horizon=horizon,
-                                        warmup_layers=warmup_layers, mode=mode)
+        if expected_new_tokens is None and horizon is None and warmup_layers is None:
+            trained = self.training.get("schedules", {}).get(f"{speedup:g}x")
+            if trained and trained.get("mode", "skip") == mode:
+                return SkipSchedule.from_dict(trained, self.num_layers)
+        any_trained = next(iter(self.training.get("schedules", {}).values()), {})
+        return SkipSchedule.for_speedup(
+            speedup, expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
+            self.num_layers, horizon=horizon,
+            warmup_layers=warmup_layers if warmup_layers is not None else any_trained.get("warmup_layers", 1),
+            mode=mode)
 
     def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
@@ -160,7 +177,7 @@ class LLM:
         """Generate for one or many prompts in one batch; see ``Completion``."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        sched = self.make_schedule(speedup, schedule, expected_new_tokens or max_new_tokens, mode)
+        sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = [self.encode(p, chat, system) for p in prompts]
         stops = [s for s in stop if s]
         tracker = _TextTracker(self.tokenizer, len(ids), stops)

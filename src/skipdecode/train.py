@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import load_model, save_hf_model
+from .checkpoint import DEFAULT_MODEL, load_model, save_hf_model
 from .config import ModelError
 from .data import DataError, TaskData, encode_example, load_task
 from .model import Transformer
@@ -692,7 +692,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     merged = None
     if env.main:
         if cfg.lora:
-            save_adapter(model, path, out, meta, tokenizer)
+            # a named base ("default") stays portable; a local base is recorded by its path
+            save_adapter(model, cfg.model if cfg.model == DEFAULT_MODEL else path, out, meta, tokenizer)
             if cfg.merge:
                 model = merge_peft_model(model)
                 merged = save_hf_model(model, path, out / "merged", meta)
@@ -719,7 +720,7 @@ def _rank_divergence(model: nn.Module) -> float:
 
 
 # -- LoRA output -------------------------------------------------------------------------------------
-def save_adapter(model: nn.Module, base_path: Path, out: Path, meta: dict, tokenizer: Any = None) -> Path:
+def save_adapter(model: nn.Module, base_path: Path | str, out: Path, meta: dict, tokenizer: Any = None) -> Path:
     """PEFT format (adapter_config.json + adapter_model.safetensors) over our module names."""
     out.mkdir(parents=True, exist_ok=True)
     for c in model.peft_config.values():
