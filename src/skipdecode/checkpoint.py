@@ -45,23 +45,65 @@ def default_gguf_path() -> Path:
     return p
 
 
+def shipped_adapter(name: str) -> Path:
+    """A LoRA adapter shipped inside the package (``default-e2e``)."""
+    return Path(__file__).resolve().parent / "models" / name
+
+
+SHIPPED_MODELS = {"default-e2e": "the default model fine-tuned with SkipDecode schedules on E2E (LoRA)"}
+
+
+def _file_key(*files: Path) -> str:
+    h = hashlib.sha1()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
 def resolve(model: str | os.PathLike) -> Path:
-    """Turn ``default``, a GGUF file or a directory into a local HF directory."""
+    """Turn ``default``, ``default-e2e``, a GGUF file, a LoRA adapter or a
+    directory into a local HF directory (converted or merged once, cached)."""
     if str(model) == DEFAULT_MODEL:
         return convert_gguf(default_gguf_path(), cache_dir() / "smollm2-135m-instruct")
-    p = Path(model).expanduser()
+    if str(model) in SHIPPED_MODELS:
+        p = shipped_adapter(str(model))
+        if not (p / "adapter_model.safetensors").is_file():
+            raise ModelError(f"the shipped model {model!r} is missing from this installation ({p})")
+    else:
+        p = Path(model).expanduser()
     if not p.exists():
         raise ModelError(
-            f"model {str(model)!r} not found: pass 'default', a local Hugging Face directory "
-            "(config.json + safetensors) or a .gguf file"
+            f"model {str(model)!r} not found: pass 'default', 'default-e2e', a local Hugging Face directory "
+            "(config.json + safetensors), a LoRA adapter directory or a .gguf file"
         )
     if p.is_file() and p.suffix == ".gguf":
-        st = p.stat()
-        key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-        return convert_gguf(p, cache_dir() / f"{p.stem}-{key}")
+        return convert_gguf(p, cache_dir() / f"{p.stem}-{_file_key(p)}")
+    if p.is_dir() and (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+        files = [p / "adapter_config.json", p / "adapter_model.safetensors"]
+        return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_file_key(*files)}")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise ModelError(f"{p} is not a Hugging Face model directory (no config.json) nor a .gguf file")
     return p
+
+
+def merge_adapter(adapter: Path, out: Path) -> Path:
+    """Merge a LoRA adapter into its base once; the directory appears atomically."""
+    if (out / "config.json").is_file():
+        return out
+    from .train import merge_lora  # peft is only needed here
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        merge_lora(adapter, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a skip schedule")
     g.add_argument("prompt", nargs="+", help="one or more prompts (batched together)")
-    g.add_argument("--model", default="default", help="'default', a local HF directory or a .gguf file")
+    g.add_argument("--model", default="default",
+                   help="'default', 'default-e2e', a local HF directory, a LoRA adapter directory or a .gguf file")
     s = g.add_mutually_exclusive_group()
     s.add_argument("--speedup", type=float, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
     s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
@@ -127,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="E2E-style prompts at full depth, 2x and 3x, with speeds")
-    d.add_argument("--model", default="default")
+    d.add_argument("--model", default="default-e2e",
+                   help="default-e2e: the default model skip-trained on E2E (shipped); 'default' shows why "
+                        "training matters")
     d.add_argument("--speedups", type=_speedups, default=[1.0, 2.0, 3.0])
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.set_defaults(func=cmd_demo)

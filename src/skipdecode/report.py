@@ -1,0 +1,108 @@
+"""Render a quality-vs-speed study from ``skipdecode evaluate`` reports.
+
+    python -m skipdecode.report --title "E2E" --train-dir runs/default-e2e \\
+        --eval fine-tuned=eval-tuned.json --eval "not fine-tuned"=eval-base.json \\
+        --command "skipdecode train ..." --out benchmarks/results/train-e2e
+
+Writes ``OUT.json`` (the inputs, the kept fractions and the commands) and
+``OUT.md``. "Kept" is a score at a speedup divided by the same model's score
+at full depth (1x) in the same report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (MiniLM-L6)"))
+
+
+def kept(results: list[dict]) -> list[dict]:
+    """Each result with ``<metric>_kept`` = score / the 1x score of the same report."""
+    ref = next((r for r in results if r["speedup_target"] == 1.0), None)
+    out = []
+    for r in results:
+        row = {k: v for k, v in r.items() if k != "outputs"}
+        for m, _ in METRICS:
+            if ref is not None and r.get(m) is not None and ref.get(m):
+                row[f"{m}_kept"] = round(r[m] / ref[m], 4)
+        out.append(row)
+    return out
+
+
+def train_summary(train_dir: Path) -> dict:
+    meta = json.loads((train_dir / "skipdecode.json").read_text())
+    log = [json.loads(x) for x in (train_dir / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    return {"config": meta.get("config"), "schedules": meta.get("schedules"), "expected_new_tokens":
+            meta.get("expected_new_tokens"), "steps": len(log), "seconds": round(sum(r["seconds"] for r in log), 1),
+            "validation_loss": meta.get("validation_loss"), "final_loss": log[-1]["loss"] if log else None}
+
+
+def render(title: str, evals: dict[str, dict], train: dict | None, commands: list[str]) -> str:
+    lines = [f"# {title}: quality against decode-layer speedup", ""]
+    first = next(iter(evals.values()))
+    s = first["settings"]
+    lines += [f"Data: `{first['data']}` (split: {first['split']}, {first['results'][0]['n_examples']} items, "
+              f"every reference of an item scored), greedy, max {s['max_new_tokens']} new tokens. "
+              f"BLEU: sacrebleu corpus BLEU, multi-reference. ROUGE-L: rouge-score F1, stemmed, max over references. "
+              f"BERTScore: {s['bertscore_model']}, max over references (not comparable to roberta-large figures). "
+              "Kept = score / the same model's score at 1x.", ""]
+    if train:
+        c = train["config"] or {}
+        lines += [f"Training: {train['steps']} steps of {c.get('batch_size')} examples, "
+                  f"{'LoRA r=' + str(c.get('lora_r')) if c.get('lora') else 'full fine-tuning'}, lr {c.get('lr')}, "
+                  f"schedules drawn per batch from {c.get('speedups')}x, "
+                  f"{train['seconds'] / 60:.1f} min of training steps on this machine (2 CPU cores). "
+                  f"Validation loss per schedule: {train['validation_loss']}.", ""]
+    lines += ["| model | target | decode-layer speedup | BLEU | kept | ROUGE-L | kept | BERTScore | kept | "
+              "new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, ev in evals.items():
+        for r in kept(ev["results"]):
+            f = lambda m: "" if r.get(m) is None else f"{r[m]:.2f}"  # noqa: E731
+            k = lambda m: "" if r.get(m + "_kept") is None else f"{100 * r[m + '_kept']:.1f}%"  # noqa: E731
+            lines.append(f"| {name} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | {f('bleu')} | "
+                         f"{k('bleu')} | {f('rougeL')} | {k('rougeL')} | {f('bertscore')} | {k('bertscore')} | "
+                         f"{r['new_tokens']} | {r['seconds']:.0f} |")
+    lines += ["", "Schedules (budget first -> floor over the horizon, warm-up layers):", ""]
+    for name, ev in evals.items():
+        for r in ev["results"]:
+            d = r["schedule"]
+            lines.append(f"- {name} {r['speedup_target']:g}x: {d['max_exit_layer']} -> {d['min_exit_layer']} "
+                         f"over {d['horizon']}, warm-up {d['warmup_layers']}, mode {d['mode']}")
+    lines += ["", "Sample outputs (first two items):", ""]
+    for name, ev in evals.items():
+        for r in ev["results"]:
+            for o in r["outputs"][:2]:
+                lines.append(f"- {name} {r['speedup_target']:g}x: {o['text']!r}")
+    lines += ["", "Commands that produced this report:", "", "```"] + commands + ["```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m skipdecode.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--title", required=True)
+    p.add_argument("--eval", action="append", required=True, metavar="NAME=FILE.json")
+    p.add_argument("--train-dir", default=None)
+    p.add_argument("--command", action="append", default=[])
+    p.add_argument("--out", required=True, help="output path without extension")
+    a = p.parse_args(argv)
+    evals = {}
+    for spec in a.eval:
+        name, _, f = spec.partition("=")
+        evals[name] = json.loads(Path(f).read_text())
+    train = train_summary(Path(a.train_dir)) if a.train_dir else None
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"title": a.title, "commands": a.command, "training": train,
+            "results": {n: kept(ev["results"]) for n, ev in evals.items()},
+            "settings": {n: {k: ev[k] for k in ("data", "split", "model", "settings")} for n, ev in evals.items()}}
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    out.with_suffix(".md").write_text(render(a.title, evals, train, a.command))
+    print(f"wrote {out}.json and {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
