@@ -93,10 +93,16 @@ def merge_adapter(adapter: Path, out: Path) -> Path:
         return out
     from .train import merge_lora  # peft is only needed here
 
+    return _build_dir_atomically(out, lambda tmp: merge_lora(adapter, tmp))
+
+
+def _build_dir_atomically(out: Path, build) -> Path:
+    """Run ``build(tmp)`` in a sibling temp directory, then rename it to ``out``:
+    an interrupted build never leaves a half-written model behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        merge_lora(adapter, tmp)
+        build(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -121,9 +127,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+    def build(tmp: Path) -> None:
         hf_cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         with torch.device("meta"):  # only names and shapes are needed to map tensors
             skeleton = AutoModelForCausalLM.from_config(hf_cfg)
@@ -132,13 +136,8 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
                   metadata={"format": "pt"})
         hf_cfg.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return _build_dir_atomically(out, build)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ DEMO_PROMPTS = [
 ]
 
 
-def _speedups(text: str) -> list[float]:
+def parse_speedups(text: str) -> list[float]:
+    """``1,2,3`` -> ``[1.0, 2.0, 3.0]`` (argparse type for every ``--speedups`` flag)."""
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="default-e2e",
                    help="default-e2e: the default model skip-trained on E2E (shipped); 'default' shows why "
                         "training matters")
-    d.add_argument("--speedups", type=_speedups, default=[1.0, 2.0, 3.0])
+    d.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.set_defaults(func=cmd_demo)
 
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (under 3 minutes)")
     b.add_argument("--out-dir", default="benchmarks/results")
     b.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=None)
-    b.add_argument("--speedups", type=_speedups, default=None)
+    b.add_argument("--speedups", type=parse_speedups, default=None)
     b.add_argument("--new-tokens", type=int, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     b.set_defaults(func=cmd_bench)

@@ -126,13 +126,13 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
 
 
 def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
-    from .cli import _speedups
+    from .cli import parse_speedups
 
     e = subparsers.add_parser("evaluate", help="generate and score a task file at several speedups")
     e.add_argument("--task", choices=TASKS, required=True)
     e.add_argument("--data", required=True, help="E2E: the mr,ref CSV; SciTLDR: a JSONL file")
     e.add_argument("--model", default="default")
-    e.add_argument("--speedups", type=_speedups, default=[1.0, 2.0, 3.0])
+    e.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
     e.add_argument("--limit", type=int, default=None, help="first N items (an item = a prompt with all its refs)")
     e.add_argument("--split", choices=["all", "train", "validation"], default="all",
                    help="E2E: evaluate the held-out MRs of the train/validation split (by MR)")

@@ -216,12 +216,7 @@ class Transformer(nn.Module):
         from column ``logits_from`` on (training needs none for the prompt).
         """
         B, T = tokens.shape
-        x = self.tok_emb(tokens)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions + self.cfg.pos_offset)
-        rope = self._rope(positions, x.dtype) if self.cfg.pos == "rope" else None
+        x, rope = self.embed(tokens, positions)
         mask = attention_mask(T, start, key_valid, x.device)
         for layer, block in enumerate(self.layers):
             n = T if active_len is None else active_len[layer]
@@ -235,6 +230,20 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         elif logits_from:
             x = x[:, logits_from:]
+        return self.head(x)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Input hidden states ``(B, T, dim)`` and the RoPE tables (None for learned positions)."""
+        x = self.tok_emb(tokens)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions + self.cfg.pos_offset)
+        return x, (self._rope(positions, x.dtype) if self.cfg.pos == "rope" else None)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection (OPT) and LM head: the layers that always run."""
         if self.norm is not None:
             x = self.norm(x)
         if self.project_out is not None:

@@ -15,8 +15,9 @@ exact because the active positions at any layer are a prefix of the sequence
 so no active position ever reads an inactive position's keys. ``naive_logits``
 asserts that prefix property rather than assuming it.
 
-Greedy only, and slow on purpose: it shares nothing with ``generate.py`` but
-the blocks' weights.
+Greedy only, and slow on purpose: it shares nothing with ``generate.py``;
+from the model it uses only the embedding, the blocks and the head, never
+the cache or the skipping forward pass.
 """
 
 from __future__ import annotations
@@ -44,21 +45,12 @@ def naive_logits(model: Transformer, tokens: Sequence[int], n_prompt: int, sched
     is_prefix = active.int().diff(dim=1) <= 0  # never inactive then active again
     assert bool(is_prefix.all()), "active positions of some layer are not a prefix of the sequence"
 
-    x = model.tok_emb(ids)
-    if model.project_in is not None:
-        x = model.project_in(x)
-    if model.pos_emb is not None:
-        x = x + model.pos_emb(positions + model.cfg.pos_offset)
-    rope = model._rope(positions, x.dtype) if model.cfg.pos == "rope" else None
+    x, rope = model.embed(ids, positions)
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]  # (1, 1, T, T)
     for l in range(L):
         y = model.layers[l](x, rope, causal, None, l, 0)
         x = torch.where(active[l][None, :, None], y, x)
-    if model.norm is not None:
-        x = model.norm(x)
-    if model.project_out is not None:
-        x = model.project_out(x)
-    return model.lm_head(x)[0]
+    return model.head(x)[0]
 
 
 def naive_generate(model: Transformer, prompt: Sequence[int], schedule: SkipSchedule, max_new_tokens: int,

@@ -759,16 +759,6 @@ def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike | None
 
 
 # -- command line --------------------------------------------------------------------------------------
-def _float_list(text: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"speedups must be numbers like 1,2,3; got {text!r}") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("give at least one speedup")
-    return vals
-
-
 def _val_groups(text: str) -> float:
     v = float(text)
     return int(v) if v >= 1 else v
@@ -776,6 +766,8 @@ def _val_groups(text: str) -> float:
 
 def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``train`` verb on the ``skipdecode`` command line."""
+    from .cli import parse_speedups
+
     d = TrainConfig()
     t = subparsers.add_parser(
         "train", help="skip-aware fine-tuning (full or LoRA) with the inference schedule(s)",
@@ -785,7 +777,7 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--data", default=d.data, help="e2e | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
     t.add_argument("--output-dir", "-o", default=None, help="where the run writes (required unless measuring)")
     s = t.add_mutually_exclusive_group()
-    s.add_argument("--speedups", type=_float_list, default=d.speedups,
+    s.add_argument("--speedups", type=parse_speedups, default=d.speedups,
                    help="schedule targets drawn per batch, e.g. 1,2,3,4,5 (default 1,2,3)")
     s.add_argument("--schedule", dest="schedule_file", help="a fixed schedule JSON file instead")
     t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
