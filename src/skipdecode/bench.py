@@ -121,12 +121,11 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
                 "quick": quick, "dtype": "float32", "greedy": True, "eos_ignored": True,
-                "prompt_tokens": None, "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
+                "prompt_tokens": [len(llm.encode(p)) for p in PROMPTS], "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731
     for B in batch_sizes:
         ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
-        settings["prompt_tokens"] = settings["prompt_tokens"] or [len(x) for x in ids[: len(PROMPTS)]]
         ours = _Ours(llm, ids)
         hf = _HF(llm.path, llm.tokenizer, ids) if with_transformers else None
         for sched in schedules.values():  # warm-up
@@ -198,7 +197,8 @@ def render_markdown(report: dict) -> str:
         f"- Versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
         f"skipdecode {m['skipdecode']}",
         f"- Model: `{s['model']}` ({s['num_layers']} layers), fp32, greedy, {s['new_tokens']} new tokens "
-        f"(EOS ignored), prompts of {s['prompt_tokens']} tokens (chat template, left padded), "
+        f"(EOS ignored), row i of a batch gets E2E-style prompt i mod {len(s['prompt_tokens'])} "
+        f"({s['prompt_tokens']} tokens with the chat template; left padded), "
         f"best of {s['repeats']} interleaved repeats",
         "- Decode time = t(N new tokens) - t(1 new token), over N-1 steps, for both engines.",
         "- Predicted speedup: cost model `fixed + b * per_layer`, `fixed` = a measured step that runs "
