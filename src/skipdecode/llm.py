@@ -195,7 +195,7 @@ class LLM:
             sampling=Sampling(temperature, top_k, top_p, seed),
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
             stop=stop_fn if stops else None,
-            on_token=on_token,
+            on_token=on_token if (stops or on_text is not None) else None,  # decode text only if needed
             pad_id=self.tokenizer.pad_token_id or 0,
         )
         out = []
