@@ -6,7 +6,10 @@
 
 Writes ``OUT.json`` (the inputs, the kept fractions and the commands) and
 ``OUT.md``. "Kept" is a score at a speedup divided by the same model's score
-at full depth (1x) in the same report.
+at full depth (1x) in the same report, or, with ``--reference NAME``, by the
+1x score of that model for every row (the paper's comparison: a skip-trained
+checkpoint against the full-depth fine-tuned one). ``--train NAME=DIR`` adds
+the training summary of each run (``--train-dir`` names the first one).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from pathlib import Path
 METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (MiniLM-L6)"))
 
 
-def kept(results: list[dict]) -> list[dict]:
-    """Each result with ``<metric>_kept`` = score / the 1x score of the same report."""
-    ref = next((r for r in results if r["speedup_target"] == 1.0), None)
+def kept(results: list[dict], reference: list[dict] | None = None) -> list[dict]:
+    """Each result with ``<metric>_kept`` = score / the 1x score of ``reference``
+    (default: of the same report)."""
+    ref = next((r for r in (reference or results) if r["speedup_target"] == 1.0), None)
     out = []
     for r in results:
         row = {k: v for k, v in r.items() if k != "outputs"}
@@ -39,26 +43,35 @@ def train_summary(train_dir: Path) -> dict:
             "validation_loss": meta.get("validation_loss"), "final_loss": log[-1]["loss"] if log else None}
 
 
-def render(title: str, evals: dict[str, dict], train: dict | None, commands: list[str]) -> str:
+def _describe(train: dict) -> str:
+    c = train["config"] or {}
+    method = f"LoRA r={c.get('lora_r')}" if c.get("lora") else "full fine-tuning"
+    return (f"{train['steps']} steps of {c.get('batch_size')} examples, {method}, lr {c.get('lr')}, "
+            f"schedules drawn per batch from {c.get('speedups')}x, {train['seconds'] / 60:.1f} min of training "
+            f"steps on this machine (2 CPU cores). Validation loss per schedule: {train['validation_loss']}.")
+
+
+def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands: list[str],
+           reference: str | None = None) -> str:
     lines = [f"# {title}: quality against decode-layer speedup", ""]
     first = next(iter(evals.values()))
     s = first["settings"]
+    kept_def = (f"Kept = score / the 1x score of {reference}, the full-depth reference, for every row."
+                if reference else "Kept = score / the same model's score at 1x.")
     lines += [f"Data: `{first['data']}` (split: {first['split']}, {first['results'][0]['n_examples']} items, "
               f"every reference of an item scored), greedy, max {s['max_new_tokens']} new tokens. "
               f"BLEU: sacrebleu corpus BLEU, multi-reference. ROUGE-L: rouge-score F1, stemmed, max over references. "
               f"BERTScore: {s['bertscore_model']}, max over references (not comparable to roberta-large figures). "
-              "Kept = score / the same model's score at 1x.", ""]
-    if train:
-        c = train["config"] or {}
-        lines += [f"Training: {train['steps']} steps of {c.get('batch_size')} examples, "
-                  f"{'LoRA r=' + str(c.get('lora_r')) if c.get('lora') else 'full fine-tuning'}, lr {c.get('lr')}, "
-                  f"schedules drawn per batch from {c.get('speedups')}x, "
-                  f"{train['seconds'] / 60:.1f} min of training steps on this machine (2 CPU cores). "
-                  f"Validation loss per schedule: {train['validation_loss']}.", ""]
+              f"{kept_def}", ""]
+    if len(trains) == 1 and not reference:
+        lines += ["Training: " + _describe(next(iter(trains.values()))), ""]
+    elif trains:
+        lines += ["Training runs:", ""] + [f"- {n}: {_describe(t)}" for n, t in trains.items()] + [""]
     lines += ["| model | target | decode-layer speedup | BLEU | kept | ROUGE-L | kept | BERTScore | kept | "
               "new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref = evals[reference]["results"] if reference else None
     for name, ev in evals.items():
-        for r in kept(ev["results"]):
+        for r in kept(ev["results"], ref):
             f = lambda m: "" if r.get(m) is None else f"{r[m]:.2f}"  # noqa: E731
             k = lambda m: "" if r.get(m + "_kept") is None else f"{100 * r[m + '_kept']:.1f}%"  # noqa: E731
             lines.append(f"| {name} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | {f('bleu')} | "
@@ -84,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--title", required=True)
     p.add_argument("--eval", action="append", required=True, metavar="NAME=FILE.json")
-    p.add_argument("--train-dir", default=None)
+    p.add_argument("--train-dir", default=None, help="the training run of the first --eval")
+    p.add_argument("--train", action="append", default=[], metavar="NAME=DIR", help="a named training run")
+    p.add_argument("--reference", default=None, metavar="NAME",
+                   help="the --eval whose 1x score every row's kept fraction divides by")
     p.add_argument("--command", action="append", default=[])
     p.add_argument("--out", required=True, help="output path without extension")
     a = p.parse_args(argv)
@@ -92,14 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     for spec in a.eval:
         name, _, f = spec.partition("=")
         evals[name] = json.loads(Path(f).read_text())
-    train = train_summary(Path(a.train_dir)) if a.train_dir else None
+    if a.reference is not None and a.reference not in evals:
+        p.error(f"--reference {a.reference!r} is not one of the --eval names {sorted(evals)}")
+    trains = {n: train_summary(Path(d)) for n, _, d in (t.partition("=") for t in a.train)}
+    if a.train_dir:
+        trains = {next(iter(evals)): train_summary(Path(a.train_dir)), **trains}
+    ref = evals[a.reference]["results"] if a.reference else None
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"title": a.title, "commands": a.command, "training": train,
-            "results": {n: kept(ev["results"]) for n, ev in evals.items()},
+    data = {"title": a.title, "commands": a.command, "training": trains, "reference": a.reference,
+            "results": {n: kept(ev["results"], ref) for n, ev in evals.items()},
             "settings": {n: {k: ev[k] for k in ("data", "split", "model", "settings")} for n, ev in evals.items()}}
     out.with_suffix(".json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    out.with_suffix(".md").write_text(render(a.title, evals, train, a.command))
+    out.with_suffix(".md").write_text(render(a.title, evals, trains, a.command, a.reference))
     print(f"wrote {out}.json and {out}.md")
     return 0
 

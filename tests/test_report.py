@@ -1,0 +1,37 @@
+"""The study report: kept fractions against the right full-depth score."""
+
+import json
+
+from skipdecode.report import kept, main
+
+
+def _eval(scores: dict[float, float]) -> dict:
+    return {"data": "d.csv", "split": "validation", "model": "m",
+            "settings": {"max_new_tokens": 64, "bertscore_model": "MiniLM-L6"},
+            "results": [{"speedup_target": sp, "decode_layer_speedup": sp, "bleu": b, "rougeL": b,
+                         "bertscore": None, "n_examples": 2, "new_tokens": 10, "seconds": 1.0,
+                         "schedule": {"max_exit_layer": 4, "min_exit_layer": 2, "horizon": 3,
+                                      "warmup_layers": 1, "mode": "skip"},
+                         "outputs": [{"text": "x"}]} for sp, b in scores.items()]}
+
+
+def test_kept_divides_by_own_1x_score_by_default():
+    rows = kept(_eval({1.0: 50.0, 2.0: 40.0})["results"])
+    assert [r["bleu_kept"] for r in rows] == [1.0, 0.8]
+    assert "outputs" not in rows[0]
+
+
+def test_kept_divides_by_reference_1x_score_when_given():
+    rows = kept(_eval({2.0: 45.0})["results"], _eval({1.0: 60.0})["results"])
+    assert rows[0]["bleu_kept"] == 0.75
+
+
+def test_report_cli_uses_reference_for_every_row(tmp_path):
+    (tmp_path / "ref.json").write_text(json.dumps(_eval({1.0: 60.0, 2.0: 30.0})))
+    (tmp_path / "only2x.json").write_text(json.dumps(_eval({1.0: 20.0, 2.0: 54.0})))
+    out = tmp_path / "study"
+    assert main(["--title", "T", "--eval", f"ref={tmp_path / 'ref.json'}",
+                 "--eval", f"2x-only={tmp_path / 'only2x.json'}", "--reference", "ref", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["bleu_kept"] for r in data["results"]["2x-only"]] == [round(20 / 60, 4), 0.9]
+    assert "| 2x-only | 2x | 2.00 | 54.00 | 90.0% |" in out.with_suffix(".md").read_text()
