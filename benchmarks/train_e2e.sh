@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The E2E study: train the shipped `default-e2e` adapter and score it against the
 # untrained default model at 1x/2x/3x/5x on the 60 held-out MRs (split by MR).
-# Writes benchmarks/results/train-e2e.{json,md}. About 25 min of training and
+# Then renders benchmarks/results/train-e2e.{json,md} (benchmarks/report_e2e.sh). About 25 min of training and
 # a few minutes of evaluation on 2 CPU cores. Run from the repository root.
 set -euo pipefail
 export HF_HUB_OFFLINE=1
@@ -20,14 +20,4 @@ EVAL_TUNED="skipdecode evaluate --task e2e --data $DATA --split validation --mod
 EVAL_BASE="skipdecode evaluate --task e2e --data $DATA --split validation --model default --speedups 1,2,3,5 --expected-new-tokens $EXP --out benchmarks/results/eval-e2e-default.json"
 $BIN/$EVAL_TUNED
 $BIN/$EVAL_BASE
-# one checkpoint per speedup, for comparison (benchmarks/train_e2e_per_speedup.sh), when it has been run
-EXTRA=()
-if [ -f benchmarks/results/eval-e2e-only2x.json ]; then
-  EXTRA=(--eval "2x-only checkpoint (same recipe)=benchmarks/results/eval-e2e-only2x.json"
-         --command "bash benchmarks/train_e2e_per_speedup.sh")
-fi
-$BIN/python -m skipdecode.report --title "E2E (SmolLM2-135M-Instruct)" --train-dir "$RUN" \
-  --eval "default-e2e (skip-trained, one checkpoint)=benchmarks/results/eval-e2e-default-e2e.json" \
-  --eval "default (not fine-tuned)=benchmarks/results/eval-e2e-default.json" \
-  --command "$TRAIN" --command "$EVAL_TUNED" --command "$EVAL_BASE" "${EXTRA[@]}" \
-  --out benchmarks/results/train-e2e
+bash benchmarks/report_e2e.sh

@@ -34,4 +34,5 @@ def test_report_cli_uses_reference_for_every_row(tmp_path):
                  "--eval", f"2x-only={tmp_path / 'only2x.json'}", "--reference", "ref", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["bleu_kept"] for r in data["results"]["2x-only"]] == [round(20 / 60, 4), 0.9]
+    assert data["results"]["2x-only"][1]["bleu_kept_own"] == 2.7
     assert "| 2x-only | 2x | 2.00 | 54.00 | 90.0% |" in out.with_suffix(".md").read_text()

@@ -23,14 +23,18 @@ METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (Mi
 
 def kept(results: list[dict], reference: list[dict] | None = None) -> list[dict]:
     """Each result with ``<metric>_kept`` = score / the 1x score of ``reference``
-    (default: of the same report)."""
-    ref = next((r for r in (reference or results) if r["speedup_target"] == 1.0), None)
+    (default: of the same report); with a reference, ``<metric>_kept_own`` is
+    the fraction of the same model's own 1x score."""
+    own = next((r for r in results if r["speedup_target"] == 1.0), None)
+    ref = next((r for r in reference if r["speedup_target"] == 1.0), None) if reference else own
     out = []
     for r in results:
         row = {k: v for k, v in r.items() if k != "outputs"}
         for m, _ in METRICS:
             if ref is not None and r.get(m) is not None and ref.get(m):
                 row[f"{m}_kept"] = round(r[m] / ref[m], 4)
+            if reference and own is not None and r.get(m) is not None and own.get(m):
+                row[f"{m}_kept_own"] = round(r[m] / own[m], 4)
         out.append(row)
     return out
 
@@ -67,16 +71,18 @@ def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands
         lines += ["Training: " + _describe(next(iter(trains.values()))), ""]
     elif trains:
         lines += ["Training runs:", ""] + [f"- {n}: {_describe(t)}" for n, t in trains.items()] + [""]
-    lines += ["| model | target | decode-layer speedup | BLEU | kept | ROUGE-L | kept | BERTScore | kept | "
-              "new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    own = " BLEU kept (own 1x) |" if reference else ""
+    lines += ["| model | target | decode-layer speedup | BLEU | kept | ROUGE-L | kept | BERTScore | kept |"
+              f"{own} new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * bool(own)]
     ref = evals[reference]["results"] if reference else None
     for name, ev in evals.items():
         for r in kept(ev["results"], ref):
             f = lambda m: "" if r.get(m) is None else f"{r[m]:.2f}"  # noqa: E731
             k = lambda m: "" if r.get(m + "_kept") is None else f"{100 * r[m + '_kept']:.1f}%"  # noqa: E731
+            o = "" if not own else (f" {100 * r['bleu_kept_own']:.1f}% |" if "bleu_kept_own" in r else " |")
             lines.append(f"| {name} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | {f('bleu')} | "
-                         f"{k('bleu')} | {f('rougeL')} | {k('rougeL')} | {f('bertscore')} | {k('bertscore')} | "
-                         f"{r['new_tokens']} | {r['seconds']:.0f} |")
+                         f"{k('bleu')} | {f('rougeL')} | {k('rougeL')} | {f('bertscore')} | {k('bertscore')} |"
+                         f"{o} {r['new_tokens']} | {r['seconds']:.0f} |")
     lines += ["", "Schedules (budget first -> floor over the horizon, warm-up layers):", ""]
     for name, ev in evals.items():
         for r in ev["results"]:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Render benchmarks/results/train-e2e.{json,md} from the evaluation files the
+# E2E scripts wrote (each row appears once its script has run). "Kept" divides
+# by the 1x score of the full-depth-only fine-tuned model when it exists (the
+# paper's reference), and the own-1x fraction is shown beside it.
+set -euo pipefail
+BIN=.venv/bin
+R=benchmarks/results
+ARGS=()
+add() {  # NAME EVAL_FILE TRAIN_DIR
+  [ -f "$2" ] || return 0
+  ARGS+=(--eval "$1=$2")
+  if [ -f "$3/skipdecode.json" ] && [ -f "$3/train_log.jsonl" ]; then ARGS+=(--train "$1=$3"); fi
+}
+add "full FT, 1x only" $R/eval-e2e-full-only1x.json runs/e2e-full-only1x
+add "full FT, one checkpoint for 1x/2x/3x" $R/eval-e2e-full123.json runs/e2e-full123
+add "full FT, 2x only" $R/eval-e2e-full-only2x.json runs/e2e-full-only2x
+add "full FT, 3x only" $R/eval-e2e-full-only3x.json runs/e2e-full-only3x
+add "default-e2e (LoRA, one checkpoint for 1x-5x, shipped)" $R/eval-e2e-default-e2e.json runs/default-e2e
+add "LoRA, 2x only" $R/eval-e2e-only2x.json runs/e2e-only2x
+add "default (not fine-tuned)" $R/eval-e2e-default.json ""
+[ -f $R/eval-e2e-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only")
+$BIN/python -m skipdecode.report --title "E2E (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
+  --command "bash benchmarks/train_e2e_full.sh" \
+  --command "bash benchmarks/train_e2e_per_speedup_full.sh" \
+  --command "bash benchmarks/train_e2e.sh   # the shipped default-e2e and the not-fine-tuned rows" \
+  --command "bash benchmarks/train_e2e_per_speedup.sh" \
+  --command "bash benchmarks/report_e2e.sh" \
+  --out $R/train-e2e
