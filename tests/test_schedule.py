@@ -229,3 +229,20 @@ def test_schedule_file_errors(tmp_path, content, num_layers, message):
 def test_missing_schedule_file(tmp_path):
     with pytest.raises(ScheduleError, match=r"schedule file .*nope.json does not exist"):
         SkipSchedule.from_file(tmp_path / "nope.json")
+
+
+def test_decay_chooses_how_steeply_a_solved_budget_falls():
+    steep = SkipSchedule.for_speedup(2, 29, 30)
+    gentle = SkipSchedule.for_speedup(2, 29, 30, decay=1.25)
+    flat = SkipSchedule.for_speedup(2, 29, 30, decay=1.0)
+    assert (steep.max_exit_layer, steep.min_exit_layer) == (24, 5)
+    assert steep.max_exit_layer > gentle.max_exit_layer > flat.max_exit_layer
+    assert flat.max_exit_layer == flat.min_exit_layer == 15
+    for s in (steep, gentle, flat):
+        assert abs(s.decode_layer_speedup(29) - 2) <= 0.02 * 2
+
+
+@pytest.mark.parametrize("decay", [0.5, 2.5, float("nan"), "1.5"])
+def test_decay_outside_one_to_two_is_a_schedule_error(decay):
+    with pytest.raises(ScheduleError, match="decay"):
+        SkipSchedule.for_speedup(2, 29, 30, decay=decay)

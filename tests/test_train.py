@@ -21,7 +21,7 @@ from skipdecode.checkpoint import (convert_state_dict, export_state_dict, load_m
 from skipdecode.generate import generate_tokens  # noqa: E402
 from skipdecode.schedule import SkipSchedule  # noqa: E402
 from skipdecode.train import (IGNORE, LORA_TARGETS, TrainConfig, TrainError, active_lengths,  # noqa: E402
-                              batch_loss_sum, draw_schedule, global_batch_indices, make_batch,
+                              batch_loss_sum, build_schedules, draw_schedule, global_batch_indices, make_batch,
                               measure_step_time, merge_lora, train)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +109,15 @@ def test_schedule_draws_and_data_order_are_pure_functions():
     epoch = [i for s in range(5) for i in global_batch_indices(20, 4, s, seed=1)]
     assert sorted(epoch) == list(range(20))  # one epoch visits every example once
     assert global_batch_indices(20, 4, 5, 1) == global_batch_indices(20, 4, 5, 1)
+
+
+def test_decay_setting_shapes_the_training_schedules():
+    steep = build_schedules(TrainConfig(speedups=[1, 2]), 30, 29)
+    gentle = build_schedules(TrainConfig(speedups=[1, 2], decay=1.25), 30, 29)
+    assert steep["1x"] == gentle["1x"]
+    assert (steep["2x"].max_exit_layer, steep["2x"].min_exit_layer) == (24, 5)
+    assert gentle["2x"].min_exit_layer > steep["2x"].min_exit_layer
+    assert gentle["2x"].decode_layer_speedup(29) == pytest.approx(2, rel=0.01)
 
 
 # -- end to end -------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 MODES = ("skip", "early_exit")
+DEFAULT_DECAY = 1.5  # preferred first budget / mean budget (see SkipSchedule.for_speedup)
 
 
 class ScheduleError(ValueError):
@@ -134,19 +135,23 @@ class SkipSchedule:
         horizon: int | None = None,
         warmup_layers: int = 1,
         mode: str = "skip",
+        decay: float = DEFAULT_DECAY,
     ) -> "SkipSchedule":
         """Solve ``max/min_exit_layer`` so the decode-layer speedup is ``target``.
 
         ``horizon`` defaults to the ``expected_new_tokens - 1`` decode steps
         (the paper used the median generation length). Among schedules that
         reach the target equally well, the one whose first budget is closest
-        to 1.5x the mean budget is chosen: early positions get more depth,
-        later ones less, and the floor stays near half the mean (a 3x ratio
-        between first and last budget, as in the schedules of SKIPDECODE.md).
+        to ``decay`` times the mean budget is chosen: with the default 1.5,
+        early positions get more depth, later ones less, and the floor stays
+        near half the mean (a 3x ratio between first and last budget, as in
+        the schedules of SKIPDECODE.md); ``decay=1`` prefers a flat budget.
         The achieved figure is ``schedule.decode_layer_speedup(expected_new_tokens)``.
         """
         if not (isinstance(target, (int, float)) and math.isfinite(target)) or target < 1:
             raise ScheduleError(f"target speedup must be a number >= 1, got {target!r}")
+        if not (isinstance(decay, (int, float)) and 1 <= decay <= 2):
+            raise ScheduleError(f"decay must be a number in [1, 2] (first budget / mean budget), got {decay!r}")
         if expected_new_tokens < 1:
             raise ScheduleError(f"expected_new_tokens must be >= 1, got {expected_new_tokens}")
         w = 0 if mode == "early_exit" else warmup_layers
@@ -157,7 +162,7 @@ class SkipSchedule:
                 f"{w} warm-up layer(s): at most {best_possible:.2f}x (budget {w + 1} everywhere)"
             )
         H = horizon if horizon is not None else max(expected_new_tokens - 1, 1)
-        max_e, min_e = _solve(num_layers, target, max(expected_new_tokens - 1, 1), H, w)
+        max_e, min_e = _solve(num_layers, target, max(expected_new_tokens - 1, 1), H, w, decay)
         return cls(num_layers, max_e, min_e, horizon=H, warmup_layers=warmup_layers, mode=mode)
 
     # -- files ---------------------------------------------------------------
@@ -211,11 +216,11 @@ SOLVER_TOLERANCE = 0.01  # relative: schedules this close to the target count as
 
 
 @lru_cache(maxsize=256)
-def _solve(L: int, target: float, steps: int, H: int, w: int) -> tuple[int, int]:
+def _solve(L: int, target: float, steps: int, H: int, w: int, decay: float = 1.5) -> tuple[int, int]:
     """Exhaustive search over (max_exit, min_exit).
 
     Keep the schedules within 1% of the target (or the closest, if none is);
-    among those prefer a first budget near 1.5x the target mean budget, so
+    among those prefer a first budget near ``decay`` x the target mean budget, so
     the budget really decays instead of staying flat (nor collapsing to a
     floor of 1-2 layers); then the smaller error.
     """
@@ -225,7 +230,7 @@ def _solve(L: int, target: float, steps: int, H: int, w: int) -> tuple[int, int]
             s = SkipSchedule(L, max_e, min_e, horizon=H, warmup_layers=w)
             cands.append((abs(s.decode_layer_speedup(steps + 1) - target), max_e, min_e))
     tol = max(min(c[0] for c in cands), SOLVER_TOLERANCE * target) + 1e-12
-    preferred_start = min(L, 1.5 * L / target)
+    preferred_start = min(L, decay * L / target)
     _, max_e, min_e = min((c for c in cands if c[0] <= tol),
                           key=lambda c: (abs(c[1] - preferred_start), c[0], -c[2]))
     return max_e, min_e

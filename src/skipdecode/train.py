@@ -68,7 +68,7 @@ from .checkpoint import DEFAULT_MODEL, load_model, save_hf_model
 from .config import ModelError
 from .data import DataError, TaskData, encode_example, load_task
 from .model import Transformer
-from .schedule import ScheduleError, SkipSchedule
+from .schedule import DEFAULT_DECAY, ScheduleError, SkipSchedule
 
 LORA_TARGETS = ["wqkv", "wo", "w13", "w2"]  # our fused Linear names in every Block
 IGNORE = -100
@@ -77,7 +77,7 @@ CKPT_DIR = "checkpoints"
 FAULT_ENV = "SKIPDECODE_FAULT"  # test seam: "kill_after_step=N" or "kill_in_save=N" (SIGKILLs itself)
 
 # Settings that change the training trajectory: a resumed run must keep them.
-_RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon",
+_RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
                 "max_grad_norm", "seed", "max_length", "val_groups", "chat")
@@ -100,6 +100,7 @@ class TrainConfig:
     mode: str = "skip"
     warmup_layers: int = 1
     horizon: int | None = None  # default: expected_new_tokens - 1 (SkipSchedule.for_speedup)
+    decay: float = DEFAULT_DECAY  # preferred first budget / mean budget of solved schedules (1 = flat)
     expected_new_tokens: int | None = None  # default: median target length of the training data
     # parameters
     lora: bool = False
@@ -151,12 +152,12 @@ def schedule_label(target: float) -> str:
 
 
 def schedule_for_speedup(target: float, expected_new_tokens: int, num_layers: int, *, horizon: int | None = None,
-                         warmup_layers: int = 1, mode: str = "skip") -> SkipSchedule:
+                         warmup_layers: int = 1, mode: str = "skip", decay: float = DEFAULT_DECAY) -> SkipSchedule:
     """1x is full depth; other targets are solved by ``SkipSchedule.for_speedup``."""
     if target == 1:
         return SkipSchedule.full_depth(num_layers)
     return SkipSchedule.for_speedup(target, expected_new_tokens, num_layers, horizon=horizon,
-                                    warmup_layers=warmup_layers, mode=mode)
+                                    warmup_layers=warmup_layers, mode=mode, decay=decay)
 
 
 def draw_schedule(labels: Sequence[str], seed: int, step: int) -> str:
@@ -432,7 +433,8 @@ def _say(env: DistEnv, msg: str) -> None:
 def _check_resume(saved: dict, cfg: TrainConfig) -> None:
     cur = asdict(cfg)
     keys = [k for k in _RESUME_KEYS if cfg.lora or not k.startswith("lora_")]  # unused without --lora
-    diff = [k for k in keys if saved.get(k) != cur.get(k)]
+    default = asdict(TrainConfig())  # a setting added later: older runs used its default
+    diff = [k for k in keys if saved.get(k, default.get(k)) != cur.get(k)]
     if diff:
         shown = ", ".join(f"{k}: {saved.get(k)!r} -> {cur.get(k)!r}" for k in diff)
         raise TrainError(f"cannot resume: settings differ from the checkpointed run ({shown})")
@@ -453,7 +455,8 @@ def build_schedules(cfg: TrainConfig, num_layers: int, expected_new_tokens: int)
     if not cfg.speedups:
         raise TrainError("give at least one speedup (e.g. --speedups 1,2,3) or --schedule")
     return {schedule_label(t): schedule_for_speedup(t, expected_new_tokens, num_layers, horizon=cfg.horizon,
-                                                    warmup_layers=cfg.warmup_layers, mode=cfg.mode)
+                                                    warmup_layers=cfg.warmup_layers, mode=cfg.mode,
+                                                    decay=cfg.decay)
             for t in cfg.speedups}
 
 
@@ -783,6 +786,8 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
     t.add_argument("--warmup-layers", type=int, default=d.warmup_layers)
     t.add_argument("--horizon", type=int, default=None, help="decay horizon H (default: expected new tokens - 1)")
+    t.add_argument("--decay", type=float, default=d.decay,
+                   help="solved schedules: preferred first budget / mean budget, in [1, 2] (1 = flat; default 1.5)")
     t.add_argument("--expected-new-tokens", type=int, default=None,
                    help="length the schedules are solved for (default: median target length of the data)")
     t.add_argument("--lora", action="store_true", help="train LoRA adapters on wqkv, wo, w13, w2 (peft)")
@@ -853,7 +858,8 @@ def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dic
     L = net.cfg.n_layers
     sched = {"1x": SkipSchedule.full_depth(L),
              schedule_label(speedup): schedule_for_speedup(speedup, expected, L, horizon=cfg.horizon,
-                                                           warmup_layers=cfg.warmup_layers, mode=cfg.mode)}
+                                                           warmup_layers=cfg.warmup_layers, mode=cfg.mode,
+                                                    decay=cfg.decay)}
     model = prepare_model(net, cfg)
     r = measure_step_time(model, items, sched, tokenizer_pad(tok), repeats)
     r["note"] = "step = forward + backward + AdamW update; prompt columns run every layer in both"
