@@ -14,14 +14,15 @@ add() {  # NAME EVAL_FILE TRAIN_DIR
 }
 add "full FT, 1x only" $R/eval-e2e-full-only1x.json runs/e2e-full-only1x
 add "full FT, one checkpoint for 1x/2x/3x" $R/eval-e2e-full123.json runs/e2e-full123
+add "full FT, one checkpoint for 1x/2x/3x, gentle schedules (--decay 1.25)" $R/eval-e2e-full123-gentle.json runs/e2e-full123-gentle
 add "full FT, 2x only" $R/eval-e2e-full-only2x.json runs/e2e-full-only2x
-add "full FT, 3x only" $R/eval-e2e-full-only3x.json runs/e2e-full-only3x
 add "default-e2e (LoRA, one checkpoint for 1x-5x, shipped)" $R/eval-e2e-default-e2e.json runs/default-e2e
 add "LoRA, 2x only" $R/eval-e2e-only2x.json runs/e2e-only2x
 add "default (not fine-tuned)" $R/eval-e2e-default.json ""
 [ -f $R/eval-e2e-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only")
 $BIN/python -m skipdecode.report --title "E2E (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
   --command "bash benchmarks/train_e2e_full.sh" \
+  --command "bash benchmarks/train_e2e_gentle.sh" \
   --command "bash benchmarks/train_e2e_per_speedup_full.sh" \
   --command "bash benchmarks/train_e2e.sh   # the shipped default-e2e and the not-fine-tuned rows" \
   --command "bash benchmarks/train_e2e_per_speedup.sh" \
