@@ -216,7 +216,7 @@ SOLVER_TOLERANCE = 0.01  # relative: schedules this close to the target count as
 
 
 @lru_cache(maxsize=256)
-def _solve(L: int, target: float, steps: int, H: int, w: int, decay: float = 1.5) -> tuple[int, int]:
+def _solve(L: int, target: float, steps: int, H: int, w: int, decay: float = DEFAULT_DECAY) -> tuple[int, int]:
     """Exhaustive search over (max_exit, min_exit).
 
     Keep the schedules within 1% of the target (or the closest, if none is);

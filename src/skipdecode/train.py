@@ -859,7 +859,7 @@ def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dic
     sched = {"1x": SkipSchedule.full_depth(L),
              schedule_label(speedup): schedule_for_speedup(speedup, expected, L, horizon=cfg.horizon,
                                                            warmup_layers=cfg.warmup_layers, mode=cfg.mode,
-                                                    decay=cfg.decay)}
+                                                           decay=cfg.decay)}
     model = prepare_model(net, cfg)
     r = measure_step_time(model, items, sched, tokenizer_pad(tok), repeats)
     r["note"] = "step = forward + backward + AdamW update; prompt columns run every layer in both"
