@@ -119,13 +119,15 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     llm = LLM.load(model)
     L = llm.num_layers
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
+    encoded = [llm.encode(p) for p in PROMPTS]
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
                 "quick": quick, "dtype": "float32", "greedy": True, "eos_ignored": True,
-                "prompt_tokens": [len(llm.encode(p)) for p in PROMPTS], "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
+                "prompt_tokens": [len(x) for x in encoded],
+                "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731
     for B in batch_sizes:
-        ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
+        ids = [encoded[i % len(encoded)] for i in range(B)]
         ours = _Ours(llm, ids)
         hf = _HF(llm.path, llm.tokenizer, ids) if with_transformers else None
         for sched in schedules.values():  # warm-up
