@@ -151,13 +151,13 @@ def schedule_label(target: float) -> str:
     return f"{target:g}x"
 
 
-def schedule_for_speedup(target: float, expected_new_tokens: int, num_layers: int, *, horizon: int | None = None,
-                         warmup_layers: int = 1, mode: str = "skip", decay: float = DEFAULT_DECAY) -> SkipSchedule:
-    """1x is full depth; other targets are solved by ``SkipSchedule.for_speedup``."""
+def schedule_for_speedup(target: float, expected_new_tokens: int, num_layers: int, cfg: TrainConfig) -> SkipSchedule:
+    """1x is full depth; other targets are solved by ``SkipSchedule.for_speedup``
+    with the run's horizon, warm-up, mode and decay."""
     if target == 1:
         return SkipSchedule.full_depth(num_layers)
-    return SkipSchedule.for_speedup(target, expected_new_tokens, num_layers, horizon=horizon,
-                                    warmup_layers=warmup_layers, mode=mode, decay=decay)
+    return SkipSchedule.for_speedup(target, expected_new_tokens, num_layers, horizon=cfg.horizon,
+                                    warmup_layers=cfg.warmup_layers, mode=cfg.mode, decay=cfg.decay)
 
 
 def draw_schedule(labels: Sequence[str], seed: int, step: int) -> str:
@@ -454,10 +454,7 @@ def build_schedules(cfg: TrainConfig, num_layers: int, expected_new_tokens: int)
         return {f"{s.decode_layer_speedup(expected_new_tokens):.2f}x": s}
     if not cfg.speedups:
         raise TrainError("give at least one speedup (e.g. --speedups 1,2,3) or --schedule")
-    return {schedule_label(t): schedule_for_speedup(t, expected_new_tokens, num_layers, horizon=cfg.horizon,
-                                                    warmup_layers=cfg.warmup_layers, mode=cfg.mode,
-                                                    decay=cfg.decay)
-            for t in cfg.speedups}
+    return {schedule_label(t): schedule_for_speedup(t, expected_new_tokens, num_layers, cfg) for t in cfg.speedups}
 
 
 @torch.no_grad()
@@ -857,9 +854,7 @@ def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dic
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in items))
     L = net.cfg.n_layers
     sched = {"1x": SkipSchedule.full_depth(L),
-             schedule_label(speedup): schedule_for_speedup(speedup, expected, L, horizon=cfg.horizon,
-                                                           warmup_layers=cfg.warmup_layers, mode=cfg.mode,
-                                                           decay=cfg.decay)}
+             schedule_label(speedup): schedule_for_speedup(speedup, expected, L, cfg)}
     model = prepare_model(net, cfg)
     r = measure_step_time(model, items, sched, tokenizer_pad(tok), repeats)
     r["note"] = "step = forward + backward + AdamW update; prompt columns run every layer in both"
