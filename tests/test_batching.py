@@ -98,6 +98,22 @@ def test_sampling_with_seed_is_reproducible(tiny_packed):
     assert first != greedy, "temperature 1 should not be greedy"
 
 
+def test_a_sampled_request_does_not_depend_on_its_batch_mates(tiny_packed):
+    """Request r samples from seed + r: alone with that seed it gives the same
+    tokens as in the batch, also after other rows have left the batch."""
+    model = tiny_packed["llama"]
+    sched = _skip(model.n_layers)
+    prompts = _prompts(seed=5)
+    s = lambda seed: Sampling(temperature=1.0, top_k=50, seed=seed)  # noqa: E731
+    plain = [r.token_ids for r in generate_tokens(model, prompts, sched, NEW, sampling=s(7))[0]]
+    row, step, eos = pick_eos(plain, min_step=1)
+    batch = [r.token_ids for r in generate_tokens(model, prompts, sched, NEW, sampling=s(7), eos_token_ids=[eos])[0]]
+    for r, p in enumerate(prompts):
+        alone = generate_tokens(model, [p], sched, NEW, sampling=s(7 + r), eos_token_ids=[eos])[0][0].token_ids
+        assert batch[r] == alone, f"row {r}"
+    assert batch[row] == plain[row][: step + 1]
+
+
 def test_top_k_1_equals_greedy(tiny_packed):
     model = tiny_packed["opt"]
     sched = _skip(model.n_layers)
@@ -114,11 +130,11 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     # probabilities 0.5, 0.3, 0.2 (logits are their logs): top_p=0.6 keeps {0, 1}
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(4000, -1)
     g = torch.Generator().manual_seed(0)
-    got = sample(logits, Sampling(temperature=1.0, top_p=0.6), g)
+    got = sample(logits, Sampling(temperature=1.0, top_p=0.6), [g] * len(logits))
     counts = torch.bincount(got, minlength=3).tolist()
     assert counts[2] == 0 and counts[0] > 0 and counts[1] > 0
     assert abs(counts[0] / 4000 - 0.625) < 0.05  # renormalised 0.5 / 0.8
-    assert sample(logits[:1], Sampling(temperature=1.0, top_p=0.4), g).item() == 0
+    assert sample(logits[:1], Sampling(temperature=1.0, top_p=0.4), [g]).item() == 0
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -282,3 +282,23 @@ def test_sigkill_then_resume_reaches_the_same_weights(tmp_path, tiny_text, e2e_c
     if not lora:
         assert not torch.equal(want["model.layers.3.mlp.up_proj.weight"],
                                weights(tiny_text)["model.layers.3.mlp.up_proj.weight"])
+
+
+def test_untrained_targets_are_solved_with_the_checkpoints_decay(tmp_path):
+    """A checkpoint trained with --decay 1.25 at 1x/2x, asked for 2.2x, gets a
+    schedule of the same gentle shape and warm-up; its 2x stays the training schedule."""
+    from types import SimpleNamespace
+
+    from skipdecode import LLM, SkipSchedule
+
+    cfg = TrainConfig(speedups=[1, 2], decay=1.25)
+    trained = build_schedules(cfg, 30, 29)
+    (tmp_path / "skipdecode.json").write_text(json.dumps({
+        "expected_new_tokens": 29, "schedules": {k: s.to_dict() for k, s in trained.items()},
+        "config": {"decay": 1.25}}))
+    llm = LLM(SimpleNamespace(cfg=SimpleNamespace(n_layers=30)), None, tmp_path, [])
+    assert llm.make_schedule(speedup=2) == trained["2x"]
+    got = llm.make_schedule(speedup=2.2)
+    assert got == SkipSchedule.for_speedup(2.2, 29, 30, decay=1.25, warmup_layers=trained["2x"].warmup_layers)
+    steep = SkipSchedule.for_speedup(2.2, 29, 30)
+    assert got.max_exit_layer < steep.max_exit_layer and got.min_exit_layer > steep.min_exit_layer

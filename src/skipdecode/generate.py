@@ -60,8 +60,12 @@ class RowResult:
         return self.num_layers * len(ran) / sum(ran) if ran else 1.0
 
 
-def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from ``(B, vocab)`` logits."""
+def sample(logits: torch.Tensor, s: Sampling, gens: Sequence[torch.Generator] = ()) -> torch.Tensor:
+    """Next token per row from ``(B, vocab)`` logits.
+
+    Sampling draws row ``b`` from its own generator ``gens[b]``, so a sampled
+    request does not depend on which other requests share its batch.
+    """
     if s.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / s.temperature
@@ -75,7 +79,7 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> to
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(gens)])
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_position: int) -> None:
@@ -118,9 +122,10 @@ def generate_tokens(
         raise GenerationError(f"schedule is for {schedule.num_layers} layers, the model has {cfg.n_layers}")
     check_prompts(prompts, max_new_tokens, cfg.max_position)
     sampling = sampling or Sampling()
-    gen = None
+    gens: list[torch.Generator] = []  # request r samples from seed + r, whatever its batch-mates
     if sampling.temperature > 0:
-        gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        base = sampling.seed if sampling.seed is not None else torch.seed() % 2**62
+        gens = [torch.Generator().manual_seed(base + r) for r in range(len(prompts))]
     eos = set(eos_token_ids)
     dtype = next(model.parameters()).dtype
     t0 = time.perf_counter()
@@ -144,7 +149,7 @@ def generate_tokens(
     logits = model(tokens, positions, None, cache=cache, start=0,
                    key_valid=key_valid[:, :P] if padded else None, last_only=True)
     t_prefill = time.perf_counter() - t0
-    nxt = sample(logits[:, -1], sampling, gen)
+    nxt = sample(logits[:, -1], sampling, gens)
 
     steps = 0
     for i in range(max_new_tokens):
@@ -186,7 +191,7 @@ def generate_tokens(
         pos = (start - pad)[:, None]
         logits = model(nxt[:, None], pos, active, cache=cache, start=start,
                        key_valid=key_valid[:, : start + 1] if padded else None)
-        nxt = sample(logits[:, -1], sampling, gen)
+        nxt = sample(logits[:, -1], sampling, [gens[r] for r in rows.tolist()] if gens else ())
         steps += 1
 
     total = time.perf_counter() - t0

@@ -20,7 +20,7 @@ from .checkpoint import load_model
 from .config import ModelError
 from .generate import GenerationError, Sampling, generate_tokens
 from .model import Transformer
-from .schedule import SkipSchedule
+from .schedule import DEFAULT_DECAY, SkipSchedule
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,7 +118,7 @@ class LLM:
 
         For a checkpoint trained with skipdecode, a target it was trained at
         (and no explicit length, horizon or warm-up) gives exactly the training
-        schedule; other targets are solved for its training length.
+        schedule; other targets are solved for its training length and decay.
         """
         if speedup is not None and schedule is not None:
             raise GenerationError("give either a target speedup or a schedule, not both")
@@ -134,12 +134,20 @@ class LLM:
             trained = self.training.get("schedules", {}).get(f"{speedup:g}x")
             if trained and trained.get("mode", "skip") == mode:
                 return SkipSchedule.from_dict(trained, self.num_layers)
-        any_trained = next(iter(self.training.get("schedules", {}).values()), {})
+        # warm-up of a trained schedule that skips (a full-depth one has none)
+        skipping = [d for d in self.training.get("schedules", {}).values() if d["max_exit_layer"] < self.num_layers]
+        trained_warmup = skipping[0]["warmup_layers"] if skipping else 1
         return SkipSchedule.for_speedup(
             speedup, expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
             self.num_layers, horizon=horizon,
-            warmup_layers=warmup_layers if warmup_layers is not None else any_trained.get("warmup_layers", 1),
-            mode=mode)
+            warmup_layers=warmup_layers if warmup_layers is not None else trained_warmup,
+            mode=mode, decay=self.training_decay)
+
+    @property
+    def training_decay(self) -> float:
+        """The decay the checkpoint's schedules were solved with: an untrained
+        target is solved in the same shape (the default for other models)."""
+        return float(self.training.get("config", {}).get("decay") or DEFAULT_DECAY)
 
     def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
