@@ -89,6 +89,19 @@ class _Ours:
             return _best_time(f, repeats * 5)
 
 
+    def matmul_step_seconds(self, repeats: int) -> float:
+        """Only the matrix multiplications of one full-depth decode step (every
+        layer's linears and the LM head, same kernels and shapes, no attention,
+        norms or activations): the floor under a full-depth step."""
+        net, B = self.llm.model, len(self.ids)
+        linears = [m for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [net.lm_head]
+        xs = [torch.randn(B, 1, m.in_features) for m in linears]
+        with torch.inference_mode():
+            f = lambda: [m(x) for m, x in zip(linears, xs)]  # noqa: E731
+            f()
+            return _best_time(f, repeats * 2)
+
+
 class _HF:
     def __init__(self, path: Path, tokenizer, ids: list[list[int]]):
         from transformers import AutoModelForCausalLM
@@ -148,6 +161,7 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                     hf.run(n)
                     store.setdefault("transformers:1.0", []).append(time.perf_counter() - t)
         fixed = ours.fixed_step_seconds(R)
+        matmul_ms = ours.matmul_step_seconds(R) * 1000
         rows = {}
         for key in t_n:
             engine, sp = key.split(":")
@@ -166,6 +180,8 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                 mean_b = L / r["decode_layer_speedup"]
                 predicted = full / (fixed_ms + mean_b * per_layer)
                 measured = full / r["ms_per_step"]
+                if r["speedup_target"] == 1.0:
+                    r["matmul_ms_per_step"] = round(matmul_ms, 2)
                 r.update(fixed_ms_per_step=round(fixed_ms, 2), predicted_speedup=round(predicted, 3),
                          measured_speedup=round(measured, 3),
                          measured_over_predicted=round(measured / predicted, 3))
@@ -216,6 +232,18 @@ def render_markdown(report: dict) -> str:
             f"| {r['batch_size']} | {r['engine']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | "
             f"{r['ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} | {g('tokens_per_s_vs_transformers')} | "
             f"{g('measured_speedup')} | {g('predicted_speedup')} | {g('measured_over_predicted')} |")
+    bound = [(r, t) for r in report["results"] for t in report["results"]
+             if "matmul_ms_per_step" in r and t["engine"] == "transformers" and t["batch_size"] == r["batch_size"]]
+    if bound:
+        lines += ["", "Full depth against its floor: the matrix multiplications of one step alone (every linear "
+                  "and the LM head, same kernels, no attention/norms/activations), measured in this run. "
+                  "No engine on these kernels can beat transformers by more than transformers' step over that floor.",
+                  "", "| batch | skipdecode ms/step | matmuls alone ms/step | transformers ms/step | "
+                  "ratio reached | ratio bound (transformers / matmuls) |", "|---|---|---|---|---|---|"]
+        for r, t in bound:
+            lines.append(f"| {r['batch_size']} | {r['ms_per_step']:.1f} | {r['matmul_ms_per_step']:.1f} | "
+                         f"{t['ms_per_step']:.1f} | {t['ms_per_step'] / r['ms_per_step']:.2f} | "
+                         f"{t['ms_per_step'] / r['matmul_ms_per_step']:.2f} |")
     lines += ["", "Schedules (solved for the new-token count above):", ""]
     for sp, d in s["schedules"].items():
         lines.append(f"- {float(sp):g}x: budget {d['max_exit_layer']} -> {d['min_exit_layer']} over "

@@ -1,0 +1,30 @@
+"""``skipdecode bench`` writes the result files the README and issues quote:
+every row names its engine, batch, target and speeds; skip rows carry the
+cost-model prediction; full-depth rows carry the matmul floor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skipdecode.bench import run_bench
+
+
+@pytest.mark.slow
+def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
+    report = run_bench("default", out_dir=tmp_path, batch_sizes=[2], speedups=[2.0], new_tokens=4, repeats=1)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    rows = {(r["engine"], r["speedup_target"]): r for r in saved["results"]}
+    assert set(rows) == {("skipdecode", 1.0), ("skipdecode", 2.0), ("transformers", 1.0)}
+    for r in rows.values():
+        assert r["batch_size"] == 2 and r["decode_tokens_per_s"] > 0 and r["ms_per_step"] > 0
+        assert r["decode_tokens_per_s"] == pytest.approx(2 * 1000 / r["ms_per_step"], rel=0.01)
+    full, skip = rows[("skipdecode", 1.0)], rows[("skipdecode", 2.0)]
+    assert full["decode_layer_speedup"] == 1.0 and skip["decode_layer_speedup"] > 1.5
+    assert 1 < skip["predicted_speedup"] < skip["decode_layer_speedup"]
+    assert 0 < full["matmul_ms_per_step"] < full["ms_per_step"]
+    assert saved["machine"]["torch"] and saved["settings"]["new_tokens"] == 4
+    md = (tmp_path / "bench.md").read_text()
+    assert "| 2 | transformers | 1x |" in md and "ratio bound" in md
