@@ -16,8 +16,5 @@ EVAL_TUNED="skipdecode evaluate --task scitldr --data $DEV --limit 100 --model $
 EVAL_BASE="skipdecode evaluate --task scitldr --data $DEV --limit 100 --model default --speedups 1,2,3 --expected-new-tokens $EXP --out benchmarks/results/eval-scitldr-default.json"
 $BIN/$EVAL_TUNED
 $BIN/$EVAL_BASE
-$BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" --train-dir "$RUN" \
-  --eval "skip-trained LoRA (one checkpoint, 1/2/3x)=benchmarks/results/eval-scitldr-tuned.json" \
-  --eval "default (not fine-tuned)=benchmarks/results/eval-scitldr-default.json" \
-  --command "$TRAIN" --command "$EVAL_TUNED" --command "$EVAL_BASE" \
-  --out benchmarks/results/train-scitldr
+bash benchmarks/report_scitldr.sh
+

@@ -36,3 +36,25 @@ def test_report_cli_uses_reference_for_every_row(tmp_path):
     assert [r["bleu_kept"] for r in data["results"]["2x-only"]] == [round(20 / 60, 4), 0.9]
     assert data["results"]["2x-only"][1]["bleu_kept_own"] == 2.7
     assert "| 2x-only | 2x | 2.00 | 54.00 | 90.0% |" in out.with_suffix(".md").read_text()
+
+
+def test_training_summary_comes_from_a_run_or_a_saved_summary(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "skipdecode.json").write_text(json.dumps({"config": {"lora": False, "batch_size": 8, "lr": 2e-4,
+                                                                "speedups": [1.0, 2.0]},
+                                                     "schedules": {}, "validation_loss": {"1x": 2.0}}))
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"loss": 3.0 - i, "seconds": 30.0}) + "\n"
+                                                 for i in range(2)))
+    (tmp_path / "e.json").write_text(json.dumps(_eval({1.0: 30.0, 2.0: 29.0})))
+    out = tmp_path / "study"
+    assert main(["--title", "T", "--eval", f"a={tmp_path / 'e.json'}", "--train", f"a={run}",
+                 "--out", str(out)]) == 0
+    summary = json.loads(out.with_suffix(".json").read_text())["training"]["a"]
+    assert summary["steps"] == 2 and summary["seconds"] == 60.0 and summary["final_loss"] == 2.0
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    again = tmp_path / "again"
+    assert main(["--title", "T", "--eval", f"a={tmp_path / 'e.json'}", "--train", f"a={tmp_path / 'summary.json'}",
+                 "--out", str(again)]) == 0
+    assert again.with_suffix(".md").read_text() == out.with_suffix(".md").read_text()
+    assert "2 steps of 8 examples, full fine-tuning" in out.with_suffix(".md").read_text()

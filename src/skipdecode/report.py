@@ -9,7 +9,9 @@ Writes ``OUT.json`` (the inputs, the kept fractions and the commands) and
 at full depth (1x) in the same report, or, with ``--reference NAME``, by the
 1x score of that model for every row (the paper's comparison: a skip-trained
 checkpoint against the full-depth fine-tuned one). ``--train NAME=DIR`` adds
-the training summary of each run (``--train-dir`` names the first one).
+the training summary of each run (``--train-dir`` names the first one); DIR
+may also be a JSON file holding one run's summary, as a report's
+``training`` entry does, so a report can be re-rendered without the run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def kept(results: list[dict], reference: list[dict] | None = None) -> list[dict]
 
 
 def train_summary(train_dir: Path) -> dict:
+    """The summary of a run directory, or a summary saved before as JSON
+    (so a report can be re-rendered where the run directory is gone)."""
+    if train_dir.is_file():
+        return json.loads(train_dir.read_text())
     meta = json.loads((train_dir / "skipdecode.json").read_text())
     log = [json.loads(x) for x in (train_dir / "train_log.jsonl").read_text().splitlines() if x.strip()]
     return {"config": meta.get("config"), "schedules": meta.get("schedules"), "expected_new_tokens":

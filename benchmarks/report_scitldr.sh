@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Render benchmarks/results/train-scitldr.{json,md} from the evaluation files the
+# SciTLDR scripts wrote (each row appears once its script has run). Kept = the
+# same model's score at 1x. A run's training summary is saved beside the
+# results, so the report re-renders where runs/ is gone.
+set -euo pipefail
+BIN=.venv/bin
+R=benchmarks/results
+ARGS=()
+add() {  # NAME EVAL_FILE TRAIN_DIR SUMMARY_FILE
+  [ -f "$2" ] || return 0
+  ARGS+=(--eval "$1=$2")
+  if [ -f "$3/skipdecode.json" ] && [ -f "$3/train_log.jsonl" ]; then
+    $BIN/python -c "import json, sys; from pathlib import Path; from skipdecode.report import train_summary
+Path(sys.argv[2]).write_text(json.dumps(train_summary(Path(sys.argv[1])), indent=2) + '\n')" "$3" "$4"
+  fi
+  [ -f "$4" ] && ARGS+=(--train "$1=$4")
+  return 0
+}
+add "full FT, one checkpoint for 1x/2x/3x, --decay 1.25" $R/eval-scitldr-full123-gentle.json \
+  runs/scitldr-full123-gentle $R/train-summary-scitldr-full123-gentle.json
+add "LoRA r16, one checkpoint for 1x/2x/3x" $R/eval-scitldr-tuned.json runs/default-scitldr \
+  $R/train-summary-scitldr-lora.json
+add "default (not fine-tuned)" $R/eval-scitldr-default.json "" ""
+$BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
+  --command "bash benchmarks/train_scitldr_full.sh" \
+  --command "bash benchmarks/train_scitldr.sh   # the LoRA and the not-fine-tuned rows" \
+  --command "bash benchmarks/report_scitldr.sh" \
+  --out $R/train-scitldr
