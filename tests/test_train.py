@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +214,18 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
     again = merge_lora(out, tmp_path / "merged2")
     a, b = weights(out / "merged"), weights(again)
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # an adapter shipped in float16 (half the bytes) merges into the fp32 base alike
+    from safetensors.torch import load_file, save_file
+
+    half = tmp_path / "half"
+    shutil.copytree(out, half, ignore=shutil.ignore_patterns("merged"))
+    sd = load_file(out / "adapter_model.safetensors")
+    save_file({k: v.half() for k, v in sd.items()}, half / "adapter_model.safetensors", metadata={"format": "pt"})
+    c = weights(merge_lora(half, tmp_path / "merged-half"))
+    base_w = weights(tiny_text)
+    moved = max((a[k] - base_w[k]).abs().max().item() for k in a)
+    off = max((a[k] - c[k]).abs().max().item() for k in a)
+    assert all(c[k].dtype == a[k].dtype for k in a) and off < moved / 100, (off, moved)
 
 
 def test_measure_step_time_reports_ratio_and_work(tmp_path, tiny_text):
