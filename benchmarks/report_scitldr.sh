@@ -19,11 +19,14 @@ Path(sys.argv[2]).write_text(json.dumps(train_summary(Path(sys.argv[1])), indent
 }
 add "full FT, one checkpoint for 1x/2x/3x, --decay 1.25" $R/eval-scitldr-full123-gentle.json \
   runs/scitldr-full123-gentle $R/train-summary-scitldr-full123-gentle.json
+add "full FT, one checkpoint for 1x/2x, --decay 1.25" $R/eval-scitldr-full12-gentle.json \
+  runs/scitldr-full12-gentle $R/train-summary-scitldr-full12-gentle.json
 add "LoRA r16, one checkpoint for 1x/2x/3x" $R/eval-scitldr-tuned.json runs/default-scitldr \
   $R/train-summary-scitldr-lora.json
 add "default (not fine-tuned)" $R/eval-scitldr-default.json "" ""
 $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
   --command "bash benchmarks/train_scitldr_full.sh" \
+  --command "SPEEDUPS=1,2 bash benchmarks/train_scitldr_full.sh" \
   --command "bash benchmarks/train_scitldr.sh   # the LoRA and the not-fine-tuned rows" \
   --command "bash benchmarks/report_scitldr.sh" \
   --out $R/train-scitldr
