@@ -233,3 +233,9 @@ def test_console_script_exit_code_and_message(tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("skipdecode: error: model ") and "not found" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_fsdp_with_lora_is_refused(tiny_cli_dir, tmp_path, capsys):
+    assert_user_error(capsys, ["train", "--model", str(tiny_cli_dir), "--lora", "--fsdp", "-o", str(tmp_path / "r")],
+                      "--fsdp", "DDP")
+    assert not (tmp_path / "r").exists()

@@ -68,3 +68,49 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
     meta = json.loads((tmp_path / "ddp" / "skipdecode.json").read_text())
     assert meta["world_size"] == 2 and meta["max_abs_diff_across_ranks"] == 0.0
     assert (tmp_path / "ddp" / "model.safetensors").is_file()
+
+
+def _torchrun(cfg: TrainConfig, dump: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), json.dumps(dataclasses.asdict(cfg)), str(dump)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(extra_env or {}),
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_fsdp_two_ranks_match_one_process_and_resume_after_a_kill(tmp_path):
+    """FSDP2 shards each layer across 2 ranks: the exported model equals one process on the same
+    global batch, and a run SIGKILLed after a checkpoint resumes to the same weights."""
+    from safetensors.torch import load_file
+
+    model = make_tiny(tmp_path / "model", layers=6)
+    data = write_e2e_csv(tmp_path / "e2e.csv")
+    base = TrainConfig(model=str(model), data=str(data), output_dir="", steps=4, batch_size=4, lr=3e-3,
+                       speedups=[1.0, 2.0], val_groups=1, save_every=2, eval_examples=0, progress=False, seed=5,
+                       grad_accum=2)
+    single = train(dataclasses.replace(base, output_dir=str(tmp_path / "single"), grad_accum=1))
+    want = load_file(str(tmp_path / "single" / "model.safetensors"))
+
+    fsdp = dataclasses.replace(base, output_dir=str(tmp_path / "fsdp"), fsdp=True)
+    (tmp_path / "d1").mkdir()
+    p = _torchrun(fsdp, tmp_path / "d1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    assert set(got) == set(want)
+    for k in got:
+        d = (got[k] - want[k]).abs()
+        assert d.mean() < 1e-7 and (d > 1e-5).float().mean() < 0.01, k
+    r0, r1 = load_file(str(tmp_path / "d1" / "rank0.safetensors")), load_file(str(tmp_path / "d1" / "rank1.safetensors"))
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # every rank returns the same whole model
+    log = [json.loads(x) for x in (tmp_path / "fsdp" / "train_log.jsonl").read_text().splitlines()]
+    for a, b in zip(log, single.losses, strict=True):
+        assert a["loss"] == pytest.approx(b, abs=1e-5)
+
+    killed = dataclasses.replace(fsdp, output_dir=str(tmp_path / "killed"))
+    (tmp_path / "d2").mkdir()
+    p = _torchrun(killed, tmp_path / "d2", {"SKIPDECODE_FAULT": "kill_after_step=3"})
+    assert p.returncode != 0 and not (tmp_path / "killed" / "model.safetensors").exists()
+    p = _torchrun(dataclasses.replace(killed, resume=True), tmp_path / "d2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    again = load_file(str(tmp_path / "killed" / "model.safetensors"))
+    assert all(torch.allclose(again[k], got[k], atol=1e-6) for k in got)

@@ -40,7 +40,9 @@ Distributed: under ``torchrun`` (``WORLD_SIZE > 1``) a gloo process group is
 created, the model is wrapped in DDP and each rank takes its contiguous share
 of the global batch. The per-rank loss is divided by the *global* number of
 target tokens and scaled by the world size (DDP averages gradients), so the
-update equals a single process on the same global batch.
+update equals a single process on the same global batch. With ``fsdp=True``
+each layer is sharded across the ranks instead (FSDP2, gradients averaged the
+same way); checkpoints and the exported model hold the gathered whole.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ FAULT_ENV = "SKIPDECODE_FAULT"  # test seam: "kill_after_step=N" or "kill_in_sav
 _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
-                "max_grad_norm", "seed", "max_length", "val_groups", "chat")
+                "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp")
 
 
 class TrainError(ValueError):
@@ -108,6 +110,7 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     merge: bool = False  # LoRA: also write the merged full model to output_dir/merged
+    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2), not DDP
     # optimization
     steps: int | None = None  # optimizer steps; default: epochs over the training data
     epochs: float = 1.0
@@ -307,8 +310,43 @@ def base_transformer(model: nn.Module) -> Transformer:
     return m
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A full tensor from an FSDP shard (a collective: every rank calls it) or a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Every trainable parameter, whole. Under FSDP this gathers shards: call it on every rank."""
+    return {n: _full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def shard_model(net: Transformer) -> Transformer:
+    """FSDP2: each layer is one shard group (all-gathered just before it runs, freed after),
+    the embeddings, final norm and tied head the root group."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in net.layers:
+        fully_shard(block)
+    return fully_shard(net)
+
+
+def unsharded_copy(net: Transformer) -> Transformer:
+    """The whole model on every rank, from FSDP shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
+    plain = Transformer(net.cfg)
+    plain.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
+    return plain.eval()
+
+
+def _optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, fsdp: bool) -> dict:
+    """The optimizer state to save; under FSDP the shards gathered (every rank calls it)."""
+    if not fsdp:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -329,7 +367,7 @@ def checkpoint_dirs(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
-                    state: dict, env: DistEnv, keep: int) -> Path:
+                    state: dict, env: DistEnv, keep: int, fsdp: bool = False) -> Path:
     """Write ``checkpoints/step-NNNNNN`` atomically: all files go to ``.tmp``, then one rename.
 
     Every rank writes its own RNG state (LoRA dropout draws differ per rank);
@@ -344,11 +382,12 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, opt: torch.optim.Opt
         tmp.mkdir(parents=True)
     env.barrier()
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp / f"rng-rank{env.rank}.pt")
+    weights, opt_state = trainable_state(model), _optimizer_state(model, opt, fsdp)  # every rank: may gather
     env.barrier()
     if env.main:
-        torch.save(trainable_state(model), tmp / "trainable.pt")
+        torch.save(weights, tmp / "trainable.pt")
         _fault("kill_in_save", step)
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(opt_state, tmp / "optimizer.pt")
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         if final.exists():
@@ -360,17 +399,27 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, opt: torch.optim.Opt
     return final
 
 
-def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, env: DistEnv) -> dict:
+def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, env: DistEnv,
+                    fsdp: bool = False) -> dict:
     state = json.loads((ckpt / "state.json").read_text())
     params = dict(model.named_parameters())
     saved = torch.load(ckpt / "trainable.pt", map_location="cpu", weights_only=True)
     missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
     if missing:
         raise TrainError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]})")
-    with torch.no_grad():
-        for n, t in saved.items():
-            params[n].copy_(t)
-    opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
+    opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    if fsdp:  # every rank read the whole state; each keeps its shards
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, saved, options=full)
+        set_optimizer_state_dict(model, opt, optim_state_dict=opt_state, options=full)
+    else:
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t)
+        opt.load_state_dict(opt_state)
     sched.load_state_dict(torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=True))
     rng_file = ckpt / f"rng-rank{env.rank}.pt"
     if rng_file.is_file():
@@ -538,6 +587,12 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     if rem or per_rank < 1:
         raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of world size x grad_accum "
                          f"= {env.world} x {cfg.grad_accum}")
+    fsdp = cfg.fsdp and env.world > 1
+    if cfg.fsdp and cfg.lora:
+        raise TrainError("--fsdp shards full fine-tuning; LoRA adapters are small: train them with DDP "
+                         "(drop --fsdp)")
+    if cfg.fsdp and not fsdp:
+        _say(env, "skipdecode train: --fsdp shards across processes (torchrun); one process trains unsharded")
     log_path = out / LOG_NAME
     if env.main:
         if not cfg.resume and not cfg.overwrite and (log_path.exists() or checkpoint_dirs(out)):
@@ -577,6 +632,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * total))
 
     model = prepare_model(net, cfg)
+    if fsdp:
+        model = shard_model(model)  # before the optimizer: it must see the sharded parameters
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.effective_lr(), weight_decay=cfg.weight_decay)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, cfg.min_lr_ratio))
@@ -592,7 +649,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     if ckpts:
         saved = json.loads((ckpts[-1] / "state.json").read_text())
         _check_resume(saved["config"], cfg)
-        state = load_checkpoint(ckpts[-1], model, opt, lr_sched, env)
+        state = load_checkpoint(ckpts[-1], model, opt, lr_sched, env, fsdp)
         start, elapsed0, tokens_seen = state["step"], state["seconds"], state["tokens_seen"]
         if env.main:
             _truncate_log(log_path, start)
@@ -600,7 +657,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     env.barrier()
 
     runner: nn.Module = model
-    if env.world > 1:
+    if env.world > 1 and not fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         runner = DDP(model)
@@ -641,7 +698,9 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             for k, micro in enumerate(_micro_batches(local, cfg.grad_accum)):
                 batch = make_batch(micro, sched, pad_id)
                 sync = env.world == 1 or k == cfg.grad_accum - 1
-                with contextlib.nullcontext() if sync else runner.no_sync():
+                if fsdp:
+                    runner.set_requires_gradient_sync(sync)
+                with contextlib.nullcontext() if sync or fsdp else runner.no_sync():
                     ls = batch_loss_sum(runner, batch)
                     (ls * (env.world / n_target)).backward()
                 loss_sum += ls.item()
@@ -651,6 +710,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
                 loss_sum = t.item()
             loss = loss_sum / n_target
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
+            grad_norm = None if grad_norm is None else _full(grad_norm)
             lr_now = opt.param_groups[0]["lr"]
             opt.step()
             lr_sched.step()
@@ -672,14 +732,16 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0 and step + 1 < total:
                 state = {"step": step + 1, "seconds": elapsed0 + time.perf_counter() - t_run,
                          "tokens_seen": tokens_seen, "config": asdict(cfg)}
-                save_checkpoint(out, step + 1, model, opt, lr_sched, state, env, cfg.keep_checkpoints)
+                save_checkpoint(out, step + 1, model, opt, lr_sched, state, env, cfg.keep_checkpoints, fsdp)
     finally:
         if bar is not None:
             bar.close()
         if log_f is not None:
             log_f.close()
 
-    if env.world > 1:
+    if fsdp:  # one whole model on every rank, gathered from the shards
+        model = unsharded_copy(model)
+    elif env.world > 1:
         meta["max_abs_diff_across_ranks"] = _rank_divergence(model)
     base = base_transformer(model)
     val_loss = {}
@@ -792,6 +854,9 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
     t.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
     t.add_argument("--merge", action="store_true", help="LoRA: also write the merged model to OUTPUT/merged")
+    t.add_argument("--fsdp", action="store_true",
+                   help="under torchrun/accelerate: shard parameters, gradients and optimizer state (FSDP2) "
+                        "instead of replicating them (DDP); full fine-tuning")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
     t.add_argument("--epochs", type=float, default=d.epochs)
     t.add_argument("--batch-size", type=int, default=d.batch_size, help="global examples per optimizer step")
