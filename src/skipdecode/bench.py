@@ -88,7 +88,6 @@ class _Ours:
             f()
             return _best_time(f, repeats * 5)
 
-
     def matmul_step_seconds(self, repeats: int) -> float:
         """Only the matrix multiplications of one full-depth decode step (every
         layer's linears and the LM head, same kernels and shapes, no attention,
