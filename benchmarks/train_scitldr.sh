@@ -17,4 +17,3 @@ EVAL_BASE="skipdecode evaluate --task scitldr --data $DEV --limit 100 --model de
 $BIN/$EVAL_TUNED
 $BIN/$EVAL_BASE
 bash benchmarks/report_scitldr.sh
-

@@ -27,6 +27,14 @@ def _one_thread():
         yield
 
 
+def _torchrun(cfg: TrainConfig, dump: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "_ddp_worker.py"), json.dumps(dataclasses.asdict(cfg)), str(dump)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(extra_env or {}),
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_ddp_two_ranks_match_one_process(tmp_path):
     from safetensors.torch import load_file
 
@@ -41,12 +49,7 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
     # 2 ranks x 2 micro-batches of 1 example = the same global batch of 4 (exercises no_sync too)
-    ddp_cfg = dataclasses.asdict(dataclasses.replace(base, output_dir=str(tmp_path / "ddp"), grad_accum=2))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "_ddp_worker.py"), json.dumps(ddp_cfg), str(dump)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    p = _torchrun(dataclasses.replace(base, output_dir=str(tmp_path / "ddp"), grad_accum=2), dump)
     assert p.returncode == 0, p.stderr[-3000:]
 
     r0, r1 = load_file(str(dump / "rank0.safetensors")), load_file(str(dump / "rank1.safetensors"))
@@ -68,14 +71,6 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
     meta = json.loads((tmp_path / "ddp" / "skipdecode.json").read_text())
     assert meta["world_size"] == 2 and meta["max_abs_diff_across_ranks"] == 0.0
     assert (tmp_path / "ddp" / "model.safetensors").is_file()
-
-
-def _torchrun(cfg: TrainConfig, dump: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "_ddp_worker.py"), json.dumps(dataclasses.asdict(cfg)), str(dump)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(extra_env or {}),
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_fsdp_two_ranks_match_one_process_and_resume_after_a_kill(tmp_path):

@@ -382,7 +382,8 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, opt: torch.optim.Opt
         tmp.mkdir(parents=True)
     env.barrier()
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp / f"rng-rank{env.rank}.pt")
-    weights, opt_state = trainable_state(model), _optimizer_state(model, opt, fsdp)  # every rank: may gather
+    if env.main or fsdp:  # FSDP gathers the shards: a collective every rank joins
+        weights, opt_state = trainable_state(model), _optimizer_state(model, opt, fsdp)
     env.barrier()
     if env.main:
         torch.save(weights, tmp / "trainable.pt")
@@ -855,7 +856,7 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
     t.add_argument("--merge", action="store_true", help="LoRA: also write the merged model to OUTPUT/merged")
     t.add_argument("--fsdp", action="store_true",
-                   help="under torchrun/accelerate: shard parameters, gradients and optimizer state (FSDP2) "
+                   help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
                         "instead of replicating them (DDP); full fine-tuning")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
     t.add_argument("--epochs", type=float, default=d.epochs)
