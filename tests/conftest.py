@@ -88,10 +88,19 @@ def tiny_models(tiny_dirs):
 
 @pytest.fixture(scope="session")
 def tiny_packed(tiny_dirs):
-    """name -> our ``Transformer`` with oneDNN-packed linears (as ``LLM.load`` builds it)."""
+    """name -> our ``Transformer`` packed for decoding, on the compiled kernels
+    where they build (as ``LLM.load`` builds it)."""
     from skipdecode.checkpoint import load_model
 
     return {name: load_model(d)[0].pack_for_inference() for name, d in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_onednn(tiny_dirs):
+    """name -> our ``Transformer`` packed with the kernels off (oneDNN linears)."""
+    from skipdecode.checkpoint import load_model
+
+    return {name: load_model(d)[0].pack_for_inference(use_kernels=False) for name, d in tiny_dirs.items()}
 
 
 def byte_tokenizer():

@@ -17,7 +17,10 @@ def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved == json.loads(json.dumps(report))
     rows = {(r["engine"], r["speedup_target"]): r for r in saved["results"]}
-    assert set(rows) == {("skipdecode", 1.0), ("skipdecode", 2.0), ("transformers", 1.0)}
+    engines = {("skipdecode", 1.0), ("skipdecode", 2.0), ("transformers", 1.0)}
+    if saved["settings"]["decode_kernels"].startswith("skipdecode"):  # and the same engine without them
+        engines.add(("skipdecode-onednn", 1.0))
+    assert set(rows) == engines
     for r in rows.values():
         assert r["batch_size"] == 2 and r["decode_tokens_per_s"] > 0 and r["ms_per_step"] > 0
         assert r["decode_tokens_per_s"] == pytest.approx(2 * 1000 / r["ms_per_step"], rel=0.01)
@@ -28,3 +31,4 @@ def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
     assert saved["machine"]["torch"] and saved["settings"]["new_tokens"] == 4
     md = (tmp_path / "bench.md").read_text()
     assert "| 2 | transformers | 1x |" in md and "ratio bound" in md
+    assert saved["settings"]["decode_kernels"] in md

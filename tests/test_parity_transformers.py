@@ -50,10 +50,10 @@ def test_llama3_rope_scaling_is_read_from_the_config(tiny_models):
     assert tiny_models["llama"].cfg.rope_scaling is None
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("variant", ["unpacked", "packed", "onednn"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_full_depth_logits_match_transformers(arch, packed, tiny_models, tiny_packed, hf_models):
-    net = (tiny_packed if packed else tiny_models)[arch]
+def test_full_depth_logits_match_transformers(arch, variant, tiny_models, tiny_packed, tiny_onednn, hf_models):
+    net = {"unpacked": tiny_models, "packed": tiny_packed, "onednn": tiny_onednn}[variant][arch]
     hf = hf_models[arch]
     tokens = _random_tokens(2, 60, seed=1)  # 60 > 32: past llama3's original context
     positions = torch.arange(60)[None].expand(2, -1)
@@ -76,11 +76,13 @@ def test_full_depth_greedy_matches_transformers_generate(arch, tiny_packed, hf_m
     assert rows[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("variant", ["packed", "onednn"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_full_depth_left_padded_batch_matches_transformers(arch, tiny_packed, hf_models):
+def test_full_depth_left_padded_batch_matches_transformers(arch, variant, tiny_packed, tiny_onednn, hf_models):
     """A batch of mixed-length prompts, left-padded, against transformers'
-    own left-padded batch with an attention mask (positions from the mask)."""
-    net, hf = tiny_packed[arch], hf_models[arch]
+    own left-padded batch with an attention mask (positions from the mask);
+    with the compiled kernels and without them."""
+    net, hf = {"packed": tiny_packed, "onednn": tiny_onednn}[variant][arch], hf_models[arch]
     n = 10
     lengths = [3, 11, 1, 7]
     prompts = [_random_tokens(1, k, seed=10 + k)[0].tolist() for k in lengths]

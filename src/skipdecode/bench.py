@@ -130,20 +130,27 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     R = repeats or (1 if quick else 5)
     llm = LLM.load(model)
     L = llm.num_layers
+    # the same engine on oneDNN's linears and torch's norm/attention: what the kernels contribute
+    on_kernels = getattr(llm.model.lm_head, "kernels", None) is not None
+    llm_onednn = LLM.load(model, use_kernels=False) if on_kernels else None
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
     encoded = [llm.encode(p) for p in PROMPTS]
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
                 "quick": quick, "dtype": "float32", "greedy": True, "eos_ignored": True,
                 "prompt_tokens": [len(x) for x in encoded],
+                "decode_kernels": "skipdecode CPU kernels (AVX2/FMA)" if on_kernels else "oneDNN + torch",
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731
     for B in batch_sizes:
         ids = [encoded[i % len(encoded)] for i in range(B)]
         ours = _Ours(llm, ids)
+        onednn = _Ours(llm_onednn, ids) if llm_onednn else None
         hf = _HF(llm.path, llm.tokenizer, ids) if with_transformers else None
         for sched in schedules.values():  # warm-up
             ours.run(sched, 4)
+        if onednn:
+            onednn.run(schedules[1.0], 4)
         if hf:
             hf.run(4)
         t_n: dict[str, list[float]] = {}
@@ -154,6 +161,11 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                     t = time.perf_counter()
                     ours.run(sched, n)
                     store.setdefault(f"skipdecode:{sp}", []).append(time.perf_counter() - t)
+            if onednn:
+                for n, store in ((N, t_n), (1, t_1)):
+                    t = time.perf_counter()
+                    onednn.run(schedules[1.0], n)
+                    store.setdefault("skipdecode-onednn:1.0", []).append(time.perf_counter() - t)
             if hf:
                 for n, store in ((N, t_n), (1, t_1)):
                     t = time.perf_counter()
@@ -166,7 +178,7 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
             engine, sp = key.split(":")
             dec = min(t_n[key]) - min(t_1[key])  # best of the repeats: the least disturbed run
             ms = dec / (N - 1) * 1000
-            sched = schedules[float(sp)] if engine == "skipdecode" else SkipSchedule.full_depth(L)
+            sched = schedules[float(sp)] if engine.startswith("skipdecode") else SkipSchedule.full_depth(L)
             rows[key] = {"engine": engine, "batch_size": B, "speedup_target": float(sp),
                          "decode_layer_speedup": round(sched.decode_layer_speedup(N), 4),
                          "decode_tokens_per_s": round(B * (N - 1) / dec, 2), "ms_per_step": round(ms, 2),
@@ -188,7 +200,7 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                 r["tokens_per_s_vs_transformers"] = round(
                     r["decode_tokens_per_s"] / rows["transformers:1.0"]["decode_tokens_per_s"], 3)
             results.append(r)
-            log(f"B={B:<3} {r['engine']:<12} target {r['speedup_target']:g}x: {r['ms_per_step']:7.2f} ms/step "
+            log(f"B={B:<3} {r['engine']:<17} target {r['speedup_target']:g}x: {r['ms_per_step']:7.2f} ms/step "
                 f"{r['decode_tokens_per_s']:8.1f} tok/s  layer-speedup {r['decode_layer_speedup']:.2f}"
                 + (f"  measured {r['measured_speedup']:.2f} / predicted {r['predicted_speedup']:.2f}"
                    if "measured_speedup" in r else ""))
@@ -217,7 +229,10 @@ def render_markdown(report: dict) -> str:
         f"(EOS ignored), row i of a batch gets E2E-style prompt i mod {len(s['prompt_tokens'])} "
         f"({s['prompt_tokens']} tokens with the chat template; left padded), "
         f"best of {s['repeats']} interleaved repeats",
-        "- Decode time = t(N new tokens) - t(1 new token), over N-1 steps, for both engines.",
+        f"- skipdecode decodes on: {s.get('decode_kernels', 'oneDNN + torch')}."
+        + (" `skipdecode-onednn` is the same engine with them off (oneDNN linears, torch's norm and "
+           "attention), at full depth." if s.get("decode_kernels", "").startswith("skipdecode") else ""),
+        "- Decode time = t(N new tokens) - t(1 new token), over N-1 steps, for every engine.",
         "- Predicted speedup: cost model `fixed + b * per_layer`, `fixed` = a measured step that runs "
         "no layer (embedding, final norm, LM head).",
         "",

@@ -86,13 +86,16 @@ class LLM:
         self.training: dict = json.loads(meta.read_text()) if meta.is_file() else {}
 
     @classmethod
-    def load(cls, model: str | os.PathLike = "default", dtype: str = "float32", pack: bool = True) -> "LLM":
-        """Load weights once. ``pack`` lays linear weights out for fast CPU decoding."""
+    def load(cls, model: str | os.PathLike = "default", dtype: str = "float32", pack: bool = True,
+             use_kernels: bool = True) -> "LLM":
+        """Load weights once. ``pack`` lays linear weights out for fast CPU decoding;
+        ``use_kernels=False`` keeps oneDNN instead of the compiled kernels
+        (``skipdecode.kernels``; also ``SKIPDECODE_KERNELS=0``)."""
         if dtype not in _DTYPES:
             raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         net, path = load_model(model, _DTYPES[dtype])
         if pack:
-            net.pack_for_inference()
+            net.pack_for_inference(use_kernels)
         tokenizer = None
         if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
             from transformers import AutoTokenizer

@@ -25,33 +25,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .cache import KVCache
 from .config import ModelConfig
 
 
 class PackedLinear(nn.Module):
-    """Inference-only linear layer on a oneDNN-packed weight.
+    """Inference-only linear layer on a weight packed once for decode.
 
-    On the CPU, ``F.linear`` with a handful of rows (decode) reaches about half
-    the memory bandwidth; oneDNN's blocked weight layout reaches most of it at
-    batch 1 and runs batch 8-32 about twice as fast (see benchmarks). The dense
-    weight is dropped after packing, so memory does not double.
+    A decode step multiplies a handful of rows by every weight, where plain
+    ``F.linear`` reaches about half the memory bandwidth. With the compiled
+    kernels (``skipdecode.kernels``) the weight is stored in 16-column panels
+    for their small-M GEMM; without them, in oneDNN's blocked layout. Either
+    beats ``F.linear`` at batch 1-32 (see benchmarks/results/bench.md). The
+    dense weight is dropped after packing, so memory does not double.
     """
 
-    PACK_BATCH_HINT = 32  # one packing serves batch 1..32 at full speed (measured)
+    PACK_BATCH_HINT = 32  # oneDNN: one packing serves batch 1..32 at full speed (measured)
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel_module=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.PACK_BATCH_HINT)
+        self.kernels = kernel_module  # skipdecode.kernels.load(), or None for oneDNN
+        w = linear.weight.detach()
+        if self.kernels is not None:
+            self.packed = kernels.pack_weight(w)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, self.PACK_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def can_pack(dtype: torch.dtype, kernel_module=None) -> bool:
+    return dtype == torch.float32 and (kernel_module is not None or torch.backends.mkldnn.is_available())
 
 
 class RMSNorm(nn.Module):
@@ -59,8 +69,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = None  # the compiled CPU kernels, set by Transformer.pack_for_inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:  # one fused loop instead of ~8 dispatched ops per call
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -116,6 +129,7 @@ class Block(nn.Module):
         else:
             self.w13 = nn.Linear(D, I, bias=cfg.mlp_bias)  # fc1
         self.w2 = nn.Linear(I, D, bias=cfg.mlp_bias)
+        self.kernels = None  # the compiled CPU kernels, set by Transformer.pack_for_inference
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                   mask: torch.Tensor | None, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
@@ -130,6 +144,8 @@ class Block(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, K, hd).transpose(1, 2)  # (B, nh, T, hd)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)  # (B, K, start+T, hd)
+        if T == 1 and self.kernels is not None and hd % 8 == 0:  # keys/values read once per KV group
+            return self.wo(self.kernels.decode_attention(q[:, :, 0], k, v, mask, hd ** -0.5))
         if T == 1 and H != K:
             # GQA decode: fold the query heads of a KV group into the query axis,
             # so keys/values are read once per group and never repeated.
@@ -176,17 +192,24 @@ class Transformer(nn.Module):
     def n_layers(self) -> int:
         return self.cfg.n_layers
 
-    def pack_for_inference(self) -> "Transformer":
-        """Swap every block linear and the LM head for ``PackedLinear`` (no autograd).
+    def pack_for_inference(self, use_kernels: bool = True) -> "Transformer":
+        """Swap every block linear and the LM head for ``PackedLinear``; give
+        RMSNorm and decode attention the compiled kernels (no autograd).
 
-        Only for generation: training keeps the plain ``nn.Linear`` modules.
+        Only for generation: training keeps the plain modules. With
+        ``use_kernels=False`` (or where they cannot be built) the linears run
+        on oneDNN and the rest on plain torch.
         """
-        if not can_pack(self.lm_head.weight.dtype):
+        k = kernels.load() if use_kernels else None
+        if not can_pack(self.lm_head.weight.dtype, k):
             return self
         for block in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
-                setattr(block, name, PackedLinear(getattr(block, name)))
-        self.lm_head = PackedLinear(self.lm_head)
+                setattr(block, name, PackedLinear(getattr(block, name), k))
+        self.lm_head = PackedLinear(self.lm_head, k)
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Block)):
+                m.kernels = k
         return self
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

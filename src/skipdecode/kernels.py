@@ -1,0 +1,64 @@
+"""CPU decode kernels (``csrc/decode_kernels.cpp``), compiled on first use.
+
+The C++ source is built once per machine and torch version with
+``torch.utils.cpp_extension`` (about 30 s with g++) and cached under
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). Where it
+cannot be used (no AVX2/FMA, no compiler, ``SKIPDECODE_KERNELS=0``) the
+engine keeps its oneDNN path and says so once; nothing else changes.
+
+Every kernel is checked against plain torch in ``tests/test_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SRC = Path(__file__).parent / "csrc" / "decode_kernels.cpp"
+PANEL = 16  # output columns per packed panel (two AVX registers)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+@lru_cache(maxsize=1)
+def load():
+    """The compiled kernel module, or None (with one warning saying why)."""
+    if os.environ.get("SKIPDECODE_KERNELS", "1") == "0":
+        return None
+    if not _cpu_has_avx2_fma():
+        warnings.warn("skipdecode: this CPU has no AVX2/FMA; using oneDNN for the decode step", stacklevel=2)
+        return None
+    from torch.utils.cpp_extension import load as build
+
+    tag = hashlib.sha1(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    try:
+        return build(name=f"skipdecode_kernels_{tag}", sources=[str(_SRC)],
+                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                     verbose=False)
+    except Exception as e:  # no compiler, no headers: the oneDNN path still works
+        warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using oneDNN. "
+                      "Install g++ to get them, or set SKIPDECODE_KERNELS=0 to silence this.", stacklevel=2)
+        return None
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` weight -> ``[ceil(N/16), K, 16]`` panels, zero padded: the
+    layout ``linear`` streams, one contiguous panel per 16 outputs."""
+    n, k = w.shape
+    pad = (-n) % PANEL
+    if pad:
+        w = F.pad(w, (0, 0, 0, pad))
+    return w.reshape(-1, PANEL, k).transpose(1, 2).contiguous()

@@ -1,0 +1,131 @@
+"""The compiled CPU decode kernels equal plain torch: the small-M linear
+(any row count, ragged panels, K past one cache block, bias), RMSNorm, and
+one-position attention (GQA and MHA, padding masks, strided cache views).
+Where the kernels are on, the engine uses them; with them off it still
+matches transformers (tests/test_parity_transformers.py runs both)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skipdecode import kernels
+from skipdecode.model import PackedLinear, RMSNorm
+
+BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
+needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def k():
+    mod = kernels.load()
+    assert mod is not None, "the kernels must build on a machine with AVX2/FMA and g++"
+    return mod
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,kdim", [(16, 8), (40, 300), (100, 600), (3, 520)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear_for_any_row_count_and_shape(k, rows, n, kdim, bias):
+    g = _gen(rows * 1000 + n)
+    w = torch.randn(n, kdim, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(2, rows, kdim, generator=g)[:, :, :]  # 3-D input, as the model passes it
+    got = k.linear(x, kernels.pack_weight(w), b, n)
+    ref = F.linear(x, w, b)
+    assert got.shape == ref.shape == (2, rows, n)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_linear_takes_a_non_contiguous_input(k):
+    w = torch.randn(24, 64, generator=_gen(1))
+    x = torch.randn(64, 5, generator=_gen(2)).t()  # (5, 64), transposed storage
+    torch.testing.assert_close(k.linear(x, kernels.pack_weight(w), None, 24), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_weight_holds_every_weight_once_in_16_column_panels():
+    w = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+    p = kernels.pack_weight(w)
+    assert p.shape == (3, 3, 16)
+    assert torch.equal(p[1, 2, 5], w[16 + 5, 2])
+    assert torch.equal(p[2, :, 8:], torch.zeros(3, 8))  # rows 40..47 are padding
+    assert torch.equal(p.transpose(1, 2).reshape(48, 3)[:40], w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 576), (3, 7, 64), (70, 40)])
+def test_rms_norm_equals_torch(k, shape):
+    x = torch.randn(*shape, generator=_gen(3)) * 3
+    w = torch.randn(shape[-1], generator=_gen(4))
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def _sdpa_reference(q, kc, vc, mask):
+    """Plain torch: repeat the KV heads for every query head, boolean mask."""
+    B, H, hd = q.shape
+    rep = H // kc.shape[1]
+    m = None if mask is None else mask[:, None, None, :]
+    y = F.scaled_dot_product_attention(q[:, :, None], kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1),
+                                       attn_mask=m)
+    return y.reshape(B, 1, H * hd)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length", [1, 5, 37, 134])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_attention_equals_sdpa(k, heads, kv_heads, length, padded):
+    B, hd, slots = 3, 64, 150
+    g = _gen(length + heads)
+    kc, vc = torch.randn(B, kv_heads, slots, hd, generator=g), torch.randn(B, kv_heads, slots, hd, generator=g)
+    q = torch.randn(B, heads, hd, generator=g)
+    kv, vv = kc[:, :, :length], vc[:, :, :length]  # a strided view of the cache, as the engine passes it
+    mask = None
+    if padded:
+        mask = torch.ones(B, length, dtype=torch.bool)
+        mask[1, : length // 2] = False  # row 1 is left padded; the newest key is always visible
+    got = k.decode_attention(q, kv, vv, mask, hd ** -0.5)
+    torch.testing.assert_close(got, _sdpa_reference(q, kv, vv, mask), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_decode_attention_ignores_huge_scores_of_masked_keys(k):
+    B, H, hd, S = 1, 2, 16, 9
+    kc = torch.randn(B, 1, S, hd, generator=_gen(5))
+    vc = torch.randn(B, 1, S, hd, generator=_gen(6))
+    kc[:, :, :4] *= 1e4  # masked keys with scores far above the rest must still weigh exactly 0
+    q = torch.randn(B, H, hd, generator=_gen(7))
+    mask = torch.arange(S)[None] >= 4
+    got = k.decode_attention(q, kc, vc, mask, hd ** -0.5)
+    torch.testing.assert_close(got, _sdpa_reference(q, kc[:, :, 4:], vc[:, :, 4:], None), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_models, tiny_packed):
+    net = tiny_packed["llama"]
+    linears = [m for m in net.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * net.n_layers + 1
+    assert all(m.kernels is not None for m in linears)
+    assert all(m.kernels is not None for m in net.modules() if isinstance(m, RMSNorm))
+    assert all(b.kernels is not None for b in net.layers)
+    # the training model is untouched: plain modules, no kernels
+    assert not any(isinstance(m, PackedLinear) for m in tiny_models["llama"].modules())
+
+
+def test_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_KERNELS", "0")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+    finally:
+        monkeypatch.delenv("SKIPDECODE_KERNELS")
+        kernels.load.cache_clear()
