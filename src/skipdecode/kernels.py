@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,17 @@ def _cpu_has_avx2_fma() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package's binary may not
+    be there when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled kernel module, or None (with one warning saying why)."""
@@ -42,6 +54,7 @@ def load():
         return None
     from torch.utils.cpp_extension import load as build
 
+    _put_ninja_on_path()
     tag = hashlib.sha1(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
     try:
         return build(name=f"skipdecode_kernels_{tag}", sources=[str(_SRC)],
@@ -50,7 +63,7 @@ def load():
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
         warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
                       f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using oneDNN. "
-                      "Install g++ to get them, or set SKIPDECODE_KERNELS=0 to silence this.", stacklevel=2)
+                      "They need g++ and ninja (a dependency); SKIPDECODE_KERNELS=0 silences this.", stacklevel=2)
         return None
 
 
