@@ -1,6 +1,7 @@
 """The compiled CPU decode kernels equal plain torch: the small-M linear
-(any row count, ragged panels, K past one cache block, bias), RMSNorm, and
-one-position attention (GQA and MHA, padding masks, strided cache views).
+(any row count, ragged panels, K past one cache block, bias), RMSNorm, RoPE
+in place, silu(gate) * up, and one-position attention (GQA and MHA, padding
+masks, strided cache views).
 Where the kernels are on, the engine uses them; with them off it still
 matches transformers (tests/test_parity_transformers.py runs both)."""
 
@@ -67,6 +68,31 @@ def test_rms_norm_equals_torch(k, shape):
     x = torch.randn(*shape, generator=_gen(3)) * 3
     w = torch.randn(shape[-1], generator=_gen(4))
     torch.testing.assert_close(k.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 9])
+def test_rope_in_place_equals_apply_rope_on_a_strided_view(k, T):
+    from skipdecode.model import apply_rope
+
+    B, NH, hd = 2, 5, 64
+    fused = torch.randn(B, T, NH * hd + 3 * hd, generator=_gen(8))  # q/k part of a fused qkv output
+    x = fused[..., : NH * hd].view(B, T, NH, hd)
+    ang = torch.randn(B, T, 1, hd // 2, generator=_gen(9)) * 10
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    ref = apply_rope(x.clone(), cos, sin)
+    tail = fused[..., NH * hd:].clone()
+    k.rope_(x, cos, sin)
+    torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused[..., NH * hd:], tail), "only the rotated heads may change"
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 1536), (32, 2 * 20), (3, 4, 2 * 13)])
+def test_silu_mul_equals_torch(k, shape):
+    h = torch.randn(*shape, generator=_gen(10)) * 6
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(k.silu_mul(h), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
 def _sdpa_reference(q, kc, vc, mask):

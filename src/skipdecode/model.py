@@ -138,7 +138,9 @@ class Block(nn.Module):
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qk, v = self.wqkv(x).split([(H + K) * hd, K * hd], dim=-1)
         qk = qk.view(B, T, H + K, hd)
-        if rope is not None:
+        if rope is not None and self.kernels is not None:
+            self.kernels.rope_(qk, *rope)  # in place, queries and keys in one pass
+        elif rope is not None:
             qk = apply_rope(qk, *rope)  # queries and keys rotated in one pass
         q, k = qk.split([H, K], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, K, hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -158,6 +160,8 @@ class Block(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w13(x)
+        if self.cfg.mlp == "swiglu" and self.kernels is not None:
+            return self.w2(self.kernels.silu_mul(h))
         if self.cfg.mlp == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
@@ -200,8 +204,9 @@ class Transformer(nn.Module):
         ``use_kernels=False`` (or where they cannot be built) the linears run
         on oneDNN and the rest on plain torch.
         """
-        k = kernels.load() if use_kernels else None
-        if not can_pack(self.lm_head.weight.dtype, k):
+        dtype = self.lm_head.weight.dtype
+        k = kernels.load() if use_kernels and dtype == torch.float32 else None  # the kernels are fp32
+        if not can_pack(dtype, k):
             return self
         for block in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):

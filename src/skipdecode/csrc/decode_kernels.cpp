@@ -265,8 +265,66 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   return out;
 }
 
+// HF's rotate-half RoPE, in place: x[..., :h] = x1 cos - x2 sin and
+// x[..., h:] = x2 cos + x1 sin, with cos/sin [B, T, 1, hd] (both halves equal).
+// x [B, T, heads, hd] may be a strided view (the q/k part of the fused qkv).
+void rope_(torch::Tensor x, const torch::Tensor& cos_in, const torch::Tensor& sin_in) {
+  check(x.scalar_type() == torch::kFloat && x.dim() == 4 && x.stride(3) == 1, "rope input");
+  const int64_t B = x.size(0), T = x.size(1), NH = x.size(2), hd = x.size(3), h = hd / 2;
+  const auto c = cos_in.expand({B, T, 1, hd}).contiguous(), s = sin_in.expand({B, T, 1, hd}).contiguous();
+  const float* ca = c.data_ptr<float>();
+  const float* sa = s.data_ptr<float>();
+  float* xa = x.data_ptr<float>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, B * T, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T, t = r % T;
+      const float* cr = ca + r * hd;
+      const float* sr = sa + r * hd;
+      for (int64_t n = 0; n < NH; ++n) {
+        float* xr = xa + b * sb + t * st + n * sh;
+        for (int64_t i = 0; i < h; ++i) {
+          const float x1 = xr[i], x2 = xr[i + h];
+          xr[i] = x1 * cr[i] - x2 * sr[i];
+          xr[i + h] = x2 * cr[i + h] + x1 * sr[i + h];
+        }
+      }
+    }
+  });
+}
+
+// SwiGLU's activation: silu(gate) * up, with [gate | up] the fused w13 output.
+torch::Tensor silu_mul(const torch::Tensor& gu_in) {
+  check(gu_in.scalar_type() == torch::kFloat, "float32 only");
+  const auto gu = gu_in.contiguous();
+  const int64_t I = gu.size(-1) / 2, rows = gu.numel() / (2 * I);
+  auto shape = gu.sizes().vec();
+  shape.back() = I;
+  auto y = torch::empty(shape, gu.options());
+  const float* ga = gu.data_ptr<float>();
+  float* ya = y.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = ga + r * 2 * I;
+      const float* u = g + I;
+      float* o = ya + r * I;
+      int64_t i = 0;
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "small-M linear on a panel-packed weight");
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
+  m.def("rope_", &rope_, "rotate-half RoPE in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
   m.def("decode_attention", &decode_attention, "one query position, grouped KV heads read once");
 }
