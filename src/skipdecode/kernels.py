@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -56,8 +57,16 @@ def load():
 
     _put_ninja_on_path()
     tag = hashlib.sha1(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    name = f"skipdecode_kernels_{tag}"
     try:
-        return build(name=f"skipdecode_kernels_{tag}", sources=[str(_SRC)],
+        from torch.utils.cpp_extension import _get_build_directory
+
+        if not (Path(_get_build_directory(name, False)) / f"{name}.so").is_file():
+            print("skipdecode: building the CPU decode kernels (once per machine, about 30 s)", file=sys.stderr)
+    except Exception:  # only a courtesy message
+        pass
+    try:
+        return build(name=name, sources=[str(_SRC)],
                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                      verbose=False)
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
