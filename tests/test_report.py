@@ -35,7 +35,9 @@ def test_report_cli_uses_reference_for_every_row(tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["bleu_kept"] for r in data["results"]["2x-only"]] == [round(20 / 60, 4), 0.9]
     assert data["results"]["2x-only"][1]["bleu_kept_own"] == 2.7
-    assert "| 2x-only | 2x | 2.00 | 54.00 | 90.0% |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| 2x-only | 2x | 2.00 | 54.00 | 90.0% | 54.00 | 90.0% |  |  | 270.0% | 270.0% | 10 |" in md
+    assert "BLEU kept (own 1x) | ROUGE-L kept (own 1x) |" in md
 
 
 def test_training_summary_comes_from_a_run_or_a_saved_summary(tmp_path):

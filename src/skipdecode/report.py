@@ -77,15 +77,16 @@ def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands
         lines += ["Training: " + _describe(next(iter(trains.values()))), ""]
     elif trains:
         lines += ["Training runs:", ""] + [f"- {n}: {_describe(t)}" for n, t in trains.items()] + [""]
-    own = " BLEU kept (own 1x) |" if reference else ""
+    own_metrics = ("bleu", "rougeL") if reference else ()  # with a reference, each model's own 1x too
+    own = "".join(f" {dict(METRICS)[m]} kept (own 1x) |" for m in own_metrics)
     lines += ["| model | target | decode-layer speedup | BLEU | kept | ROUGE-L | kept | BERTScore | kept |"
-              f"{own} new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * bool(own)]
+              f"{own} new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(own_metrics)]
     ref = evals[reference]["results"] if reference else None
     for name, ev in evals.items():
         for r in kept(ev["results"], ref):
             f = lambda m: "" if r.get(m) is None else f"{r[m]:.2f}"  # noqa: E731
             k = lambda m: "" if r.get(m + "_kept") is None else f"{100 * r[m + '_kept']:.1f}%"  # noqa: E731
-            o = "" if not own else (f" {100 * r['bleu_kept_own']:.1f}% |" if "bleu_kept_own" in r else " |")
+            o = "".join(f" {100 * r[m + '_kept_own']:.1f}% |" if m + "_kept_own" in r else " |" for m in own_metrics)
             lines.append(f"| {name} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | {f('bleu')} | "
                          f"{k('bleu')} | {f('rougeL')} | {k('rougeL')} | {f('bertscore')} | {k('bertscore')} |"
                          f"{o} {r['new_tokens']} | {r['seconds']:.0f} |")
