@@ -13,7 +13,8 @@ from skipdecode.bench import run_bench
 
 @pytest.mark.slow
 def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
-    report = run_bench("default", out_dir=tmp_path, batch_sizes=[2], speedups=[2.0], new_tokens=4, repeats=1)
+    # best of 3 repeats, so the matmul floor comes out under the full step even on a busy machine
+    report = run_bench("default", out_dir=tmp_path, batch_sizes=[2], speedups=[2.0], new_tokens=6, repeats=3)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved == json.loads(json.dumps(report))
     rows = {(r["engine"], r["speedup_target"]): r for r in saved["results"]}
@@ -28,7 +29,7 @@ def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
     assert full["decode_layer_speedup"] == 1.0 and skip["decode_layer_speedup"] > 1.5
     assert 1 < skip["predicted_speedup"] < skip["decode_layer_speedup"]
     assert 0 < full["matmul_ms_per_step"] < full["ms_per_step"]
-    assert saved["machine"]["torch"] and saved["settings"]["new_tokens"] == 4
+    assert saved["machine"]["torch"] and saved["settings"]["new_tokens"] == 6
     md = (tmp_path / "bench.md").read_text()
     assert "| 2 | transformers | 1x |" in md and "ratio bound" in md
     assert saved["settings"]["decode_kernels"] in md
