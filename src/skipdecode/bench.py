@@ -155,22 +155,21 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
             hf.run(4)
         t_n: dict[str, list[float]] = {}
         t_1: dict[str, list[float]] = {}
+
+        def time_both(key: str, run) -> None:
+            """One timing of ``run(N)`` and one of ``run(1)`` under ``key``."""
+            for n, store in ((N, t_n), (1, t_1)):
+                t = time.perf_counter()
+                run(n)
+                store.setdefault(key, []).append(time.perf_counter() - t)
+
         for _ in range(R):  # interleaved rounds so drift hits every system alike
             for sp, sched in schedules.items():
-                for n, store in ((N, t_n), (1, t_1)):
-                    t = time.perf_counter()
-                    ours.run(sched, n)
-                    store.setdefault(f"skipdecode:{sp}", []).append(time.perf_counter() - t)
+                time_both(f"skipdecode:{sp}", lambda n, s=sched: ours.run(s, n))
             if onednn:
-                for n, store in ((N, t_n), (1, t_1)):
-                    t = time.perf_counter()
-                    onednn.run(schedules[1.0], n)
-                    store.setdefault("skipdecode-onednn:1.0", []).append(time.perf_counter() - t)
+                time_both("skipdecode-onednn:1.0", lambda n: onednn.run(schedules[1.0], n))
             if hf:
-                for n, store in ((N, t_n), (1, t_1)):
-                    t = time.perf_counter()
-                    hf.run(n)
-                    store.setdefault("transformers:1.0", []).append(time.perf_counter() - t)
+                time_both("transformers:1.0", hf.run)
         fixed = ours.fixed_step_seconds(R)
         matmul_ms = ours.matmul_step_seconds(R) * 1000
         rows = {}

@@ -28,10 +28,11 @@ PANEL = 16  # output columns per packed panel (two AVX registers)
 
 def _cpu_has_avx2_fma() -> bool:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+    return {"avx2", "fma"} <= flags
 
 
 def _put_ninja_on_path() -> None:

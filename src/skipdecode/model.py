@@ -198,7 +198,7 @@ class Transformer(nn.Module):
 
     def pack_for_inference(self, use_kernels: bool = True) -> "Transformer":
         """Swap every block linear and the LM head for ``PackedLinear``; give
-        RMSNorm and decode attention the compiled kernels (no autograd).
+        RMSNorm, RoPE, SwiGLU and decode attention the compiled kernels (no autograd).
 
         Only for generation: training keeps the plain modules. With
         ``use_kernels=False`` (or where they cannot be built) the linears run
