@@ -106,11 +106,12 @@ def _sdpa_reference(q, kc, vc, mask):
 
 
 @needs_kernels
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (14, 2)])
 @pytest.mark.parametrize("length", [1, 5, 37, 134])
 @pytest.mark.parametrize("padded", [False, True])
-def test_decode_attention_equals_sdpa(k, heads, kv_heads, length, padded):
-    B, hd, slots = 3, 64, 150
+@pytest.mark.parametrize("hd", [64, 40])
+def test_decode_attention_equals_sdpa(k, heads, kv_heads, length, padded, hd):
+    B, slots = 3, 150
     g = _gen(length + heads)
     kc, vc = torch.randn(B, kv_heads, slots, hd, generator=g), torch.randn(B, kv_heads, slots, hd, generator=g)
     q = torch.randn(B, heads, hd, generator=g)
@@ -121,6 +122,19 @@ def test_decode_attention_equals_sdpa(k, heads, kv_heads, length, padded):
         mask[1, : length // 2] = False  # row 1 is left padded; the newest key is always visible
     got = k.decode_attention(q, kv, vv, mask, hd ** -0.5)
     torch.testing.assert_close(got, _sdpa_reference(q, kv, vv, mask), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_decode_attention_skips_scattered_masked_keys(k):
+    B, H, KVH, hd, S = 2, 6, 2, 64, 23
+    g = _gen(11)
+    kc, vc = torch.randn(B, KVH, S, hd, generator=g), torch.randn(B, KVH, S, hd, generator=g)
+    q = torch.randn(B, H, hd, generator=g)
+    mask = torch.rand(B, S, generator=g) > 0.5
+    mask[:, :8] = False  # whole blocks of four masked, then scattered holes
+    mask[:, -1] = True
+    got = k.decode_attention(q, kc, vc, mask, hd ** -0.5)
+    torch.testing.assert_close(got, _sdpa_reference(q, kc, vc, mask), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

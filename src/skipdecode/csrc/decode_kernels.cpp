@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -175,10 +176,44 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 
+// Weighted values of one (row, KV head) task for NG query heads and NV * 8
+// dimensions: NG x NV accumulators stay in registers while every value row is
+// read once. p holds the softmax weights (row stride sp); masked keys are not read.
+template <int NG, int NV>
+static inline void weighted_values(const float* p, int64_t sp, const float* v, int64_t vs, int64_t S, const bool* mb,
+                                   float* o, int64_t hd) {
+  __m256 acc[NG][NV];
+  for (int i = 0; i < NG; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (mb && !mb[s]) continue;
+    const float* vr = v + s * vs;
+    __m256 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = _mm256_loadu_ps(vr + 8 * j);
+    for (int i = 0; i < NG; ++i) {
+      const __m256 w = _mm256_set1_ps(p[i * sp + s]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(w, vv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NG; ++i)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + i * hd + 8 * j, acc[i][j]);
+}
+
+template <int NV>
+static inline void weighted_values_ng(int ng, const float* p, int64_t sp, const float* v, int64_t vs, int64_t S,
+                                      const bool* mb, float* o, int64_t hd) {
+  switch (ng) {
+    case 3: return weighted_values<3, NV>(p, sp, v, vs, S, mb, o, hd);
+    case 2: return weighted_values<2, NV>(p, sp, v, vs, S, mb, o, hd);
+    default: return weighted_values<1, NV>(p, sp, v, vs, S, mb, o, hd);
+  }
+}
+
 // One decode step of attention, T = 1: q [B, H, hd]; keys/values [B, KVH, S, hd]
 // (any strides along B, KVH and S, e.g. a view of the preallocated cache);
 // mask [B, S] bool (true = attend) or None. Each task (row, KV head) reads its
-// keys and values once for all H / KVH query heads of its group.
+// keys and values once for all H / KVH query heads of its group, and skips
+// the keys/values of masked (padding) slots.
 // Returns [B, 1, H * hd], the layout the output projection takes.
 torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask_in, double scale) {
@@ -201,6 +236,8 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const float* va = v.data_ptr<float>();
   float* oa = out.data_ptr<float>();
   const float sc = float(scale);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t ks = k.stride(2), vs = v.stride(2);
   at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
     const int64_t Sp = (S + 7) / 8 * 8;
     std::vector<float> p(G * Sp);
@@ -210,13 +247,20 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
       const float* vb = va + b * v.stride(0) + g * v.stride(1);
       const float* qg = qa + (b * H + g * G) * hd;
       const bool* mb = ma ? ma + b * S : nullptr;
-      for (int64_t i = 0; i < G; ++i) {  // scores, four keys at a time (keys stay in L1 across the group)
-        const float* qi = qg + i * hd;
-        float* pi = p.data() + i * Sp;
-        int64_t s = 0;
-        for (; s + 4 <= S; s += 4) {
-          const float* k0 = kb + s * k.stride(2);
-          const int64_t ks = k.stride(2);
+      int64_t s = 0;
+      for (; s + 4 <= S; s += 4) {  // scores, four keys at a time for every query of the group
+        if (mb && !(mb[s] | mb[s + 1] | mb[s + 2] | mb[s + 3])) {
+          for (int64_t i = 0; i < G; ++i)
+            for (int j = 0; j < 4; ++j) p[i * Sp + s + j] = ninf;
+          continue;
+        }
+        const float* k0 = kb + s * ks;
+        for (int64_t j = 0; j < 4 * hd; j += 16) {  // streams too short for the hardware prefetcher alone
+          if (s + 12 <= S) _mm_prefetch(reinterpret_cast<const char*>(k0 + 8 * ks + (j / hd) * ks + j % hd), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vb + (s + j / hd) * vs + j % hd), _MM_HINT_T1);
+        }
+        for (int64_t i = 0; i < G; ++i) {
+          const float* qi = qg + i * hd;
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t d = 0; d < hd; d += 8) {
             const __m256 qd = _mm256_loadu_ps(qi + d);
@@ -227,45 +271,51 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
           }
           const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
           const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-          _mm_storeu_ps(pi + s, _mm_mul_ps(sum4, _mm_set1_ps(sc)));
+          _mm_storeu_ps(p.data() + i * Sp + s, _mm_mul_ps(sum4, _mm_set1_ps(sc)));
         }
-        for (; s < S; ++s) {
-          const float* ks = kb + s * k.stride(2);
+      }
+      for (; s < S; ++s) {
+        const float* kr = kb + s * ks;
+        for (int64_t i = 0; i < G; ++i) {
+          const float* qi = qg + i * hd;
           __m256 acc = _mm256_setzero_ps();
-          for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(ks + d), acc);
-          pi[s] = hsum(acc) * sc;
+          for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kr + d), acc);
+          p[i * Sp + s] = hsum(acc) * sc;
         }
-        if (mb)
-          for (int64_t t2 = 0; t2 < S; ++t2)
-            if (!mb[t2]) pi[t2] = -std::numeric_limits<float>::infinity();
       }
       for (int64_t i = 0; i < G; ++i) {  // softmax of each query's row
         float* pi = p.data() + i * Sp;
-        for (int64_t s = S; s < Sp; ++s) pi[s] = -std::numeric_limits<float>::infinity();
-        __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t s = 0; s < Sp; s += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(pi + s));
+        if (mb)
+          for (int64_t s2 = 0; s2 < S; ++s2)
+            if (!mb[s2]) pi[s2] = ninf;
+        for (int64_t s2 = S; s2 < Sp; ++s2) pi[s2] = ninf;
+        __m256 mx = _mm256_set1_ps(ninf);
+        for (int64_t s2 = 0; s2 < Sp; s2 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(pi + s2));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0x4e));
         m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0xb1));
         const __m256 m8 = _mm256_set1_ps(_mm_cvtss_f32(m4));
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t s = 0; s < Sp; s += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + s), m8));
-          _mm256_storeu_ps(pi + s, e);
+        for (int64_t s2 = 0; s2 < Sp; s2 += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + s2), m8));
+          _mm256_storeu_ps(pi + s2, e);
           sum = _mm256_add_ps(sum, e);
         }
-        const float inv = 1.f / hsum(sum);
-        for (int64_t s = 0; s < S; ++s) pi[s] *= inv;
+        const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+        for (int64_t s2 = 0; s2 < Sp; s2 += 8) _mm256_storeu_ps(pi + s2, _mm256_mul_ps(_mm256_loadu_ps(pi + s2), inv));
       }
       float* ob = oa + (b * H + g * G) * hd;
-      for (int64_t i = 0; i < G * hd; ++i) ob[i] = 0.f;
-      for (int64_t s = 0; s < S; ++s) {  // weighted values: every value read once for the group
-        const float* vs = vb + s * v.stride(2);
-        for (int64_t i = 0; i < G; ++i) {
-          const __m256 w = _mm256_set1_ps(p[i * Sp + s]);
-          for (int64_t d = 0; d < hd; d += 8)
-            _mm256_storeu_ps(ob + i * hd + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + d), _mm256_loadu_ps(ob + i * hd + d)));
+      for (int64_t d = 0; d < hd;) {  // weighted values, 32 (or 8) dimensions x 3 queries in registers
+        const bool wide = hd - d >= 32;
+        for (int64_t i = 0; i < G; i += 3) {
+          const int ng = int(std::min<int64_t>(3, G - i));
+          const float* pi = p.data() + i * Sp;
+          if (wide)
+            weighted_values_ng<4>(ng, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd);
+          else
+            weighted_values_ng<1>(ng, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd);
         }
+        d += wide ? 32 : 8;
       }
     }
   });
