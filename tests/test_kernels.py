@@ -1,7 +1,8 @@
 """The compiled CPU decode kernels equal plain torch: the small-M linear
 (any row count, ragged panels, K past one cache block, bias), RMSNorm, RoPE
-in place, silu(gate) * up, and one-position attention (GQA and MHA, padding
-masks, strided cache views).
+in place, silu(gate) * up, one-position attention (GQA and MHA, padding
+masks, strided cache views), and the fused decode layer of the Llama family
+against the same layer op by op.
 Where the kernels are on, the engine uses them; with them off it still
 matches transformers (tests/test_parity_transformers.py runs both)."""
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from skipdecode import kernels
+from skipdecode.cache import KVCache
 from skipdecode.model import PackedLinear, RMSNorm
 
 BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
@@ -150,6 +152,20 @@ def test_decode_attention_ignores_huge_scores_of_masked_keys(k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 50257])
+def test_argmax_rows_equals_torch_argmax_with_ties_infinities_and_nans(k, vocab):
+    x = torch.randn(6, vocab, generator=_gen(vocab))
+    x[1] = 0.0  # all tied: the first index
+    x[2, -1] = float("inf")
+    x[3] = float("-inf")
+    x[4, vocab // 2:] = float("nan")  # the first NaN wins, as in torch
+    x[5, vocab // 3] = x[5].max() + 1
+    x[5, -1] = x[5, vocab // 3]  # a tie between a vector block and the tail
+    assert torch.equal(k.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(k.argmax_rows(x[:, :]), torch.argmax(x, dim=-1))
+
+
+@needs_kernels
 def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_models, tiny_packed):
     net = tiny_packed["llama"]
     linears = [m for m in net.modules() if isinstance(m, PackedLinear)]
@@ -157,8 +173,44 @@ def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_mo
     assert all(m.kernels is not None for m in linears)
     assert all(m.kernels is not None for m in net.modules() if isinstance(m, RMSNorm))
     assert all(b.kernels is not None for b in net.layers)
+    assert all(b.fused_decode for b in net.layers)
+    assert net.kernels is not None
+    assert not any(b.fused_decode for arch in ("opt", "gpt2") for b in tiny_packed[arch].layers)
     # the training model is untouched: plain modules, no kernels
     assert not any(isinstance(m, PackedLinear) for m in tiny_models["llama"].modules())
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, arch, skip_first):
+    """A left-padded batch: full-depth prefill, then one decode step, fused
+    (one kernel call per layer) and unfused: same logits, same cache."""
+    net = tiny_packed[arch]
+    cfg, L, B, P = net.cfg, net.n_layers, 3, 9
+    tokens = torch.randint(3, 256, (B, P + 1), generator=_gen(3))
+    pad = torch.tensor([0, 4, 1])
+    key_valid = torch.arange(P + 1)[None] >= pad[:, None]
+    positions = (torch.arange(P + 1)[None] - pad[:, None]).clamp(min=0)
+    active = [0] + [1] * (L - 1) if skip_first else None
+
+    def step(fused: bool):
+        for b in net.layers:
+            b.fused_decode = fused
+        cache = KVCache(B, cfg.n_kv_heads, cfg.head_dim, [P + 1] * L, P + 1, torch.float32)
+        net(tokens[:, :P], positions[:, :P], cache=cache, start=0, key_valid=key_valid[:, :P])
+        logits = net(tokens[:, P:], positions[:, P:], active, cache=cache, start=P, key_valid=key_valid)
+        return logits, cache
+
+    try:
+        with torch.inference_mode():
+            (got, got_cache), (want, want_cache) = step(True), step(False)
+    finally:
+        for b in net.layers:
+            b.fused_decode = True
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_kernels_can_be_turned_off(monkeypatch):

@@ -35,15 +35,19 @@ class KVCache:
         """Write ``k, v`` (``[B, kvh, T, hd]``) at slots ``start..start+T`` and
         return every key/value up to and including them."""
         end = start + k.shape[2]
+        kc, vc = self.layer(layer, end)
+        kc[:, :, start:end] = k
+        vc[:, :, start:end] = v
+        return kc[:, :, :end], vc[:, :, :end]
+
+    def layer(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s whole key and value tensors, checked to hold slots ``0..end-1``."""
         if end > self.slots[layer]:
             raise RuntimeError(
                 f"layer {layer} KV cache has {self.slots[layer]} slots but slot {end - 1} was written: "
                 "the schedule and the cache disagree"
             )
-        kc, vc = self.k[layer], self.v[layer]
-        kc[:, :, start:end] = k
-        vc[:, :, start:end] = v
-        return kc[:, :, :end], vc[:, :, :end]
+        return self.k[layer], self.v[layer]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows so they leave the computation."""

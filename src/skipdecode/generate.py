@@ -60,14 +60,16 @@ class RowResult:
         return self.num_layers * len(ran) / sum(ran) if ran else 1.0
 
 
-def sample(logits: torch.Tensor, s: Sampling, gens: Sequence[torch.Generator] = ()) -> torch.Tensor:
+def sample(logits: torch.Tensor, s: Sampling, gens: Sequence[torch.Generator] = (),
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Next token per row from ``(B, vocab)`` logits.
 
     Sampling draws row ``b`` from its own generator ``gens[b]``, so a sampled
-    request does not depend on which other requests share its batch.
+    request does not depend on which other requests share its batch. Greedy
+    uses ``argmax`` (the model's, on the kernels) when given.
     """
     if s.temperature == 0:
-        return logits.argmax(dim=-1)
+        return argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     logits = logits.float() / s.temperature
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
@@ -149,7 +151,7 @@ def generate_tokens(
     logits = model(tokens, positions, None, cache=cache, start=0,
                    key_valid=key_valid[:, :P] if padded else None, last_only=True)
     t_prefill = time.perf_counter() - t0
-    nxt = sample(logits[:, -1], sampling, gens)
+    nxt = sample(logits[:, -1], sampling, gens, model.argmax)
 
     steps = 0
     for i in range(max_new_tokens):
@@ -191,7 +193,7 @@ def generate_tokens(
         pos = (start - pad)[:, None]
         logits = model(nxt[:, None], pos, active, cache=cache, start=start,
                        key_valid=key_valid[:, : start + 1] if padded else None)
-        nxt = sample(logits[:, -1], sampling, [gens[r] for r in rows.tolist()] if gens else ())
+        nxt = sample(logits[:, -1], sampling, [gens[r] for r in rows.tolist()] if gens else (), model.argmax)
         steps += 1
 
     total = time.perf_counter() - t0

@@ -130,6 +130,15 @@ class Block(nn.Module):
             self.w13 = nn.Linear(D, I, bias=cfg.mlp_bias)  # fc1
         self.w2 = nn.Linear(I, D, bias=cfg.mlp_bias)
         self.kernels = None  # the compiled CPU kernels, set by Transformer.pack_for_inference
+        self.fused_decode = False  # one kernel call per decode step, set by Transformer.pack_for_inference
+
+    def can_fuse_decode(self) -> bool:
+        """Whether ``kernels.decode_block`` implements this layer: pre-norm
+        Llama family (RMSNorm, RoPE, SwiGLU) on packed weights."""
+        cfg = self.cfg
+        return (self.kernels is not None and cfg.pre_norm and cfg.norm == "rms" and cfg.mlp == "swiglu"
+                and cfg.pos == "rope" and cfg.head_dim % 8 == 0
+                and all(isinstance(getattr(self, n), PackedLinear) for n in ("wqkv", "wo", "w13", "w2")))
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                   mask: torch.Tensor | None, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
@@ -168,11 +177,24 @@ class Block(nn.Module):
         return self.w2(_act(self.cfg.mlp, h))
 
     def forward(self, x, rope, mask, cache, layer: int, start: int) -> torch.Tensor:
+        if self.fused_decode and x.shape[1] == 1 and cache is not None:
+            return self._decode_fused(x, rope, mask, cache, layer, start)
         if self.cfg.pre_norm:
             x = x + self.attention(self.attn_norm(x), rope, mask, cache, layer, start)
             return x + self.mlp(self.mlp_norm(x))
         x = self.attn_norm(x + self.attention(x, rope, mask, cache, layer, start))
         return self.mlp_norm(x + self.mlp(x))
+
+
+    def _decode_fused(self, x, rope, mask, cache: KVCache, layer: int, start: int) -> torch.Tensor:
+        """The same layer as ``forward`` for one decode position, as one kernel call
+        (checked against the unfused path in tests/test_kernels.py)."""
+        kc, vc = cache.layer(layer, start + 1)
+        a, m = self.attn_norm, self.mlp_norm
+        return self.kernels.decode_block(
+            x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
+            self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kc, vc, start, rope[0], rope[1], mask,
+            self.cfg.n_heads, self.cfg.head_dim ** -0.5)
 
 
 class Transformer(nn.Module):
@@ -191,6 +213,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         if cfg.pos == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.kernels = None  # the compiled CPU kernels, set by pack_for_inference
 
     @property
     def n_layers(self) -> int:
@@ -215,7 +238,16 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
+        for block in self.layers:
+            block.fused_decode = block.can_fuse_decode()
+        self.kernels = k
         return self
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy pick per row of ``(B, vocab)`` logits, exactly ``logits.argmax(-1)``."""
+        if self.kernels is not None and logits.dtype == torch.float32:
+            return self.kernels.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
