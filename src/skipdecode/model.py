@@ -176,9 +176,11 @@ class Block(nn.Module):
             return self.w2(F.silu(gate) * up)
         return self.w2(_act(self.cfg.mlp, h))
 
-    def forward(self, x, rope, mask, cache, layer: int, start: int) -> torch.Tensor:
+    def forward(self, x, rope, mask, cache, layer: int, start: int, next_layer: int | None = None) -> torch.Tensor:
+        """``next_layer``: the layer that runs next, whose keys/values the fused
+        decode path starts pulling into the CPU caches."""
         if self.fused_decode and x.shape[1] == 1 and cache is not None:
-            return self._decode_fused(x, rope, mask, cache, layer, start)
+            return self._decode_fused(x, rope, mask, cache, layer, start, next_layer)
         if self.cfg.pre_norm:
             x = x + self.attention(self.attn_norm(x), rope, mask, cache, layer, start)
             return x + self.mlp(self.mlp_norm(x))
@@ -186,15 +188,17 @@ class Block(nn.Module):
         return self.mlp_norm(x + self.mlp(x))
 
 
-    def _decode_fused(self, x, rope, mask, cache: KVCache, layer: int, start: int) -> torch.Tensor:
+    def _decode_fused(self, x, rope, mask, cache: KVCache, layer: int, start: int,
+                      next_layer: int | None) -> torch.Tensor:
         """The same layer as ``forward`` for one decode position, as one kernel call
         (checked against the unfused path in tests/test_kernels.py)."""
         kc, vc = cache.layer(layer, start + 1)
+        nk, nv = (None, None) if next_layer is None else cache.layer(next_layer, start + 1)
         a, m = self.attn_norm, self.mlp_norm
         return self.kernels.decode_block(
             x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
             self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kc, vc, start, rope[0], rope[1], mask,
-            self.cfg.n_heads, self.cfg.head_dim ** -0.5)
+            self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv)
 
 
 class Transformer(nn.Module):
@@ -278,10 +282,12 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         x, rope = self.embed(tokens, positions)
         mask = attention_mask(T, start, key_valid, x.device)
+        runs = [l for l in range(self.n_layers) if active_len is None or active_len[l] > 0]
+        following = dict(zip(runs, runs[1:]))  # layer -> the next layer that runs
         for layer, block in enumerate(self.layers):
             n = T if active_len is None else active_len[layer]
             if n == T:
-                x = block(x, rope, mask, cache, layer, start)
+                x = block(x, rope, mask, cache, layer, start, following.get(layer))
             elif n > 0:
                 r = None if rope is None else (rope[0][:, :n], rope[1][:, :n])
                 m = None if mask is None else mask[:, :, :n, : start + n]

@@ -103,18 +103,37 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "skipdecode kernel: ", w
 
 }  // namespace
 
+// Memory another kernel will read soon: `nranges` ranges of `range_bytes`,
+// `stride` bytes apart, in each of two tensors (a layer's keys and values).
+// The GEMMs of a decode step are compute bound at batch 8-32 while attention
+// is bound by memory; pulling the next layer's keys/values toward the caches
+// during a GEMM overlaps the two.
+struct Prefetch {
+  const char* base[2] = {nullptr, nullptr};
+  int64_t nranges = 0, stride = 0, range_bytes = 0;
+  int64_t lines() const { return base[0] ? 2 * nranges * ((range_bytes + 63) / 64) : 0; }
+  void part(int64_t i, int64_t parts) const {  // the i-th of `parts` equal shares
+    const int64_t n = lines(), lpr = (range_bytes + 63) / 64;
+    for (int64_t l = n * i / parts, end = n * (i + 1) / parts; l < end; ++l) {
+      const int64_t t = l / (nranges * lpr), rem = l % (nranges * lpr);
+      _mm_prefetch(base[t] + (rem / lpr) * stride + (rem % lpr) * 64, _MM_HINT_T2);
+    }
+  }
+};
+
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ res), W packed by skipdecode.kernels.pack_weight
 // as [ceil(N / 16), K, 16] (zero padded). x and y are row-major and must not
 // overlap; res may be y itself (an in-place residual add: each element is read
 // once, just before it is written).
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const float* ba, int64_t n, float* ya,
-                 const float* res) {
+                 const float* res, const Prefetch& pf = Prefetch()) {
   const int64_t K = packed.size(1), NP = packed.size(0);
   const float* wa = packed.data_ptr<float>();
   if (M == 0) return;
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
     for (int64_t p = p0; p < p1; ++p) {
+      pf.part(p, NP);
       const int64_t ncols = std::min(NR, n - p * NR);
       const float* bp = ba ? ba + p * NR : nullptr;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -449,7 +468,8 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
                            const c10::optional<torch::Tensor>& b13, const torch::Tensor& w2,
                            const c10::optional<torch::Tensor>& b2, torch::Tensor kc, torch::Tensor vc, int64_t slot,
                            const torch::Tensor& cos, const torch::Tensor& sin, const c10::optional<torch::Tensor>& mask,
-                           int64_t H, double scale) {
+                           int64_t H, double scale, const c10::optional<torch::Tensor>& next_k,
+                           const c10::optional<torch::Tensor>& next_v) {
   check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
   check(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(0) == x.size(0) && kc.stride(3) == 1 &&
         vc.stride(3) == 1 && kc.scalar_type() == torch::kFloat && vc.scalar_type() == torch::kFloat, "KV cache");
@@ -483,7 +503,19 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   linear_into(att.data_ptr<float>(), B, wo, bp(bo), D, ha, ha);
   auto n2 = rms_norm(h, mlp_norm, eps);
   auto gu = torch::empty({B, 1, 2 * I}, x.options());
-  linear_into(n2.data_ptr<float>(), B, w13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr);
+  Prefetch pf;  // the next layer's keys/values (slots 0..slot), during the largest GEMM
+  if (next_k.has_value() && next_v.has_value()) {
+    const auto& nk = *next_k;
+    check(nk.dim() == 4 && nk.sizes() == next_v->sizes() && nk.size(0) == B && nk.size(1) == KVH &&
+          nk.size(2) > slot && nk.size(3) == hd && nk.is_contiguous() && next_v->is_contiguous() &&
+          nk.scalar_type() == torch::kFloat && next_v->scalar_type() == torch::kFloat, "next layer's cache");
+    pf.base[0] = reinterpret_cast<const char*>(next_k->data_ptr<float>());
+    pf.base[1] = reinterpret_cast<const char*>(next_v->data_ptr<float>());
+    pf.nranges = B * KVH;
+    pf.stride = next_k->stride(1) * 4;
+    pf.range_bytes = (slot + 1) * hd * 4;
+  }
+  linear_into(n2.data_ptr<float>(), B, w13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, pf);
   auto a = silu_mul(gu);
   linear_into(a.data_ptr<float>(), B, w2, bp(b2), D, ha, ha);
   return h;
