@@ -109,3 +109,30 @@ def test_fsdp_two_ranks_match_one_process_and_resume_after_a_kill(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     again = load_file(str(tmp_path / "killed" / "model.safetensors"))
     assert all(torch.allclose(again[k], got[k], atol=1e-6) for k in got)
+
+
+def test_accelerate_launch_runs_the_cli_unchanged_on_two_cpu_ranks(tmp_path):
+    """``accelerate launch --multi_gpu`` starts torch's elastic launcher, which works on CPU
+    (gloo); ``--cpu`` alone would start one process. The CLI needs no change to run under it,
+    and its loss equals one process on the same global batch."""
+    model = make_tiny(tmp_path / "model", layers=6)
+    data = write_e2e_csv(tmp_path / "e2e.csv")
+    args = ["--model", str(model), "--data", str(data), "--steps", "3", "--batch-size", "4", "--lr", "3e-3",
+            "--speedups", "1,2", "--val-groups", "1", "--eval-examples", "0", "--save-every", "0",
+            "--no-progress", "--seed", "5"]
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+           "-m", "skipdecode.cli", "train", *args, "-o", str(tmp_path / "acc")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    meta = json.loads((tmp_path / "acc" / "skipdecode.json").read_text())
+    assert meta["world_size"] == 2 and meta["max_abs_diff_across_ranks"] == 0.0
+
+    one = subprocess.run([sys.executable, "-m", "skipdecode.cli", "train", *args, "-o", str(tmp_path / "one")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()]
+              for d in ("acc", "one")]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5)

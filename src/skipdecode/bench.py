@@ -138,7 +138,9 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
                 "quick": quick, "dtype": "float32", "greedy": True, "eos_ignored": True,
                 "prompt_tokens": [len(x) for x in encoded],
-                "decode_kernels": "skipdecode CPU kernels (AVX2/FMA)" if on_kernels else "oneDNN + torch",
+                "decode_kernels": ("skipdecode CPU kernels (AVX2/FMA)"
+                                   + (", one fused call per layer" if llm.model.layers[0].fused_decode else "")
+                                   if on_kernels else "oneDNN + torch"),
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731

@@ -9,6 +9,7 @@
 // in L1 while every row block uses it, is faster at every batch of 1-32. The
 // norm, RoPE and SwiGLU kernels replace a handful of dispatched ops each; the
 // attention kernel reads each key/value once for all query heads of its group.
+// For the Llama family, decode_block runs a whole layer in one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -458,10 +459,11 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 }
 
 // One pre-norm Llama-family layer (RMSNorm, RoPE, GQA, SwiGLU) for one decode
-// position, in one call: the ~25 dispatched ops of the Python block cost more
-// than its attention at batch 1. x [B, 1, D]; this position's keys/values go
-// to slot `slot` of the layer's cache [B, KVH, slots, hd]; attention reads
-// slots 0..slot. Returns the new hidden state; x is not modified.
+// position, in one call instead of ~25 dispatched ops, with the residual adds
+// done by the output GEMMs. x [B, 1, D]; this position's keys/values go to
+// slot `slot` of the layer's cache [B, KVH, slots, hd]; attention reads slots
+// 0..slot. next_k/next_v: the cache of the layer that runs next, prefetched
+// during the gate/up GEMM. Returns the new hidden state; x is not modified.
 torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
                            double eps, const torch::Tensor& wqkv, const c10::optional<torch::Tensor>& bqkv,
                            const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& w13,
