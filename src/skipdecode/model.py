@@ -187,7 +187,6 @@ class Block(nn.Module):
         x = self.attn_norm(x + self.attention(x, rope, mask, cache, layer, start))
         return self.mlp_norm(x + self.mlp(x))
 
-
     def _decode_fused(self, x, rope, mask, cache: KVCache, layer: int, start: int,
                       next_layer: int | None) -> torch.Tensor:
         """The same layer as ``forward`` for one decode position, as one kernel call
