@@ -131,7 +131,7 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     llm = LLM.load(model)
     L = llm.num_layers
     # the same engine on oneDNN's linears and torch's norm/attention: what the kernels contribute
-    on_kernels = getattr(llm.model.lm_head, "kernels", None) is not None
+    on_kernels = llm.model.kernels is not None
     llm_onednn = LLM.load(model, use_kernels=False) if on_kernels else None
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
     encoded = [llm.encode(p) for p in PROMPTS]
