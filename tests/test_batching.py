@@ -48,12 +48,18 @@ def test_finished_rows_leave_the_batch(tiny_packed):
 
     batch_sizes: list[int] = []
     order: list[int] = []
-    h = model.register_forward_pre_hook(lambda m, a: batch_sizes.append(a[0].shape[0]))
+    decode = model.decode
+
+    def counting_decode(tokens, *a, **kw):
+        batch_sizes.append(tokens.shape[0])
+        return decode(tokens, *a, **kw)
+
+    model.decode = counting_decode
     try:
         rows, stats = generate_tokens(model, prompts, sched, NEW, eos_token_ids=[eos],
                                       on_token=lambda req, tok: order.append(req))
     finally:
-        h.remove()
+        del model.decode
 
     B = len(prompts)
     assert rows[row].token_ids == plain[row].token_ids[: step + 1]
@@ -61,9 +67,9 @@ def test_finished_rows_leave_the_batch(tiny_packed):
     for r in range(B):
         if r != row:
             assert rows[r].token_ids == plain[r].token_ids and rows[r].finish_reason == "length"
-    # forward passes: prefill, then decode steps 0..NEW-2; token `step` of the
-    # finished row was produced by pass `step`, so passes after it are smaller
-    assert batch_sizes == [B] * (step + 1) + [B - 1] * (NEW - 1 - step)
+    # decode steps feed tokens 0..NEW-2; token `step` of the finished row is
+    # its last, so every decode step after it runs one row fewer
+    assert batch_sizes == [B] * step + [B - 1] * (NEW - 1 - step)
     assert stats["decode_steps"] == NEW - 1
     # streaming order: each step reports the live rows; the finished row never again
     assert order.count(row) == step + 1

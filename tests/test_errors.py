@@ -104,7 +104,7 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_packed):
         generate_tokens(model, [[5] * 10, [5] * 120], SkipSchedule.full_depth(model.n_layers), 10)
     rows, _ = generate_tokens(model, [[5] * 119], SkipSchedule.full_depth(model.n_layers), 10)
     assert len(rows[0].token_ids) <= 10
-    with pytest.raises(GenerationError, match="prompt 1 is empty"):
+    with pytest.raises(GenerationError, match="prompt 1: the prompt is empty"):
         generate_tokens(model, [[5], []], SkipSchedule.full_depth(model.n_layers), 4)
     with pytest.raises(GenerationError, match="no prompts"):
         generate_tokens(model, [], SkipSchedule.full_depth(model.n_layers), 4)
@@ -113,10 +113,10 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_packed):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1]"),
-    (["--top-k", "0", "--temperature", "1"], "top_k must be >= 1"),
+    (["--top-k", "0", "--temperature", "1"], "top_k must be an integer >= 1"),
 ])
 def test_bad_generation_flags(tiny_cli_dir, capsys, flags, needle):
     assert_user_error(capsys, ["generate", "--model", str(tiny_cli_dir), *flags, "hello"], needle)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from skipdecode import kernels
-from skipdecode.cache import KVCache
-from skipdecode.model import PackedLinear, RMSNorm
+from skipdecode.engine.kv_cache import KVPool, Reservation, RequestKV
+from skipdecode.model import LayerRows, PackedLinear, RMSNorm
 
 BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
 needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
@@ -181,35 +181,61 @@ def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_mo
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, heads, kv_heads):
+    """Pool mode: row r attends to exactly slots start_r .. start_r + len_r - 1
+    of a shared (K, slots, hd) pool; every other slot is NaN and never read."""
+    hd, slots = 64, 200
+    g = _gen(heads)
+    kp = torch.full((kv_heads, slots, hd), float("nan"))
+    vp = torch.full((kv_heads, slots, hd), float("nan"))
+    rows = torch.tensor([[0, 7], [50, 1], [13, 37], [120, 80]])
+    q = torch.randn(len(rows), heads, hd, generator=g)
+    for s, n in rows.tolist():
+        kp[:, s:s + n] = torch.randn(kv_heads, n, hd, generator=g)
+        vp[:, s:s + n] = torch.randn(kv_heads, n, hd, generator=g)
+    got = k.decode_attention(q, kp, vp, None, hd ** -0.5, rows)
+    for r, (s, n) in enumerate(rows.tolist()):
+        want = _sdpa_reference(q[r:r + 1], kp[None, :, s:s + n], vp[None, :, s:s + n], None)
+        torch.testing.assert_close(got[r:r + 1], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        k.decode_attention(q[:1], kp, vp, None, hd ** -0.5, torch.tensor([[190, 20]]))
+
+
+@needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral"])
 @pytest.mark.parametrize("skip_first", [False, True])
 def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, arch, skip_first):
-    """A left-padded batch: full-depth prefill, then one decode step, fused
-    (one kernel call per layer) and unfused: same logits, same cache."""
+    """Rows of different lengths, each in its own pool slots: full-depth
+    prefill, then one decode step, fused (one kernel call per layer) and
+    unfused: same logits, same pool."""
     net = tiny_packed[arch]
-    cfg, L, B, P = net.cfg, net.n_layers, 3, 9
-    tokens = torch.randint(3, 256, (B, P + 1), generator=_gen(3))
-    pad = torch.tensor([0, 4, 1])
-    key_valid = torch.arange(P + 1)[None] >= pad[:, None]
-    positions = (torch.arange(P + 1)[None] - pad[:, None]).clamp(min=0)
-    active = [0] + [1] * (L - 1) if skip_first else None
+    cfg, L = net.cfg, net.n_layers
+    lengths = [9, 4, 6]
+    prompts = [torch.randint(3, 256, (n + 1,), generator=_gen(3 + n)) for n in lengths]
+    starts = [0, 20, 40]
 
     def step(fused: bool):
         for b in net.layers:
             b.fused_decode = fused
-        cache = KVCache(B, cfg.n_kv_heads, cfg.head_dim, [P + 1] * L, P + 1, torch.float32)
-        net(tokens[:, :P], positions[:, :P], cache=cache, start=0, key_valid=key_valid[:, :P])
-        logits = net(tokens[:, P:], positions[:, P:], active, cache=cache, start=P, key_valid=key_valid)
-        return logits, cache
+        pool = KVPool([64] * L, cfg.n_kv_heads, cfg.head_dim)
+        res = [Reservation([s] * L, [n + 1] * L) for s, n in zip(starts, lengths)]
+        for p, n, r in zip(prompts, lengths, res):
+            net(p[None, :n], torch.arange(n)[None], cache=RequestKV(pool, r), start=0)
+        lens = torch.tensor(lengths) + 1
+        slots = torch.stack([torch.tensor(starts), lens], 1)
+        rows = [None if (skip_first and l == 0) else LayerRows(None, slots) for l in range(L)]
+        logits = net.decode(torch.stack([p[-1] for p in prompts]), torch.tensor(lengths), rows, pool.pools())
+        return logits, pool
 
     try:
         with torch.inference_mode():
-            (got, got_cache), (want, want_cache) = step(True), step(False)
+            (got, got_pool), (want, want_pool) = step(True), step(False)
     finally:
         for b in net.layers:
             b.fused_decode = True
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+    for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

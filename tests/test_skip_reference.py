@@ -95,18 +95,36 @@ def test_trace_active_layers_are_exactly_the_schedule_layer_sets(mode, tiny_pack
     plain, _ = generate_tokens(model, prompts, sched, NEW)
     eos_row, eos_step, eos = pick_eos([r.token_ids for r in plain], min_step=2)  # one row ends early
 
-    calls: list[list[int]] = []
-    hooks = [model.register_forward_pre_hook(lambda m, a: calls.append([]))]
-    hooks += [blk.register_forward_pre_hook(lambda m, a, l=l: calls[-1].append(l))
+    prefill: list[list[int]] = []  # per forward pass (one per prompt): the layers it ran
+    decode: list[list[int]] = []  # per decode step: the layers it ran
+    hooks = [model.register_forward_pre_hook(lambda m, a: prefill.append([]))]
+    hooks += [blk.register_forward_pre_hook(lambda m, a, l=l: prefill[-1].append(l))
               for l, blk in enumerate(model.layers)]
+    model_decode = model.decode
+
+    def recording_decode(*a, **kw):
+        decode.append([])
+        return model_decode(*a, **kw)
+
+    def block_decode(l, f):
+        def run(*a, **kw):
+            decode[-1].append(l)
+            return f(*a, **kw)
+        return run
+
+    model.decode = recording_decode
+    for l, blk in enumerate(model.layers):
+        blk.decode = block_decode(l, blk.decode)
     try:
         rows, stats = generate_tokens(model, prompts, sched, NEW, eos_token_ids=[eos])
     finally:
         for h in hooks:
             h.remove()
+        del model.decode
+        for blk in model.layers:
+            del blk.decode
 
-    assert calls[0] == list(range(L)), "the prompt runs at full depth"
-    decode = calls[1:]
+    assert prefill == [list(range(L))] * len(prompts), "every prompt runs at full depth"
     assert len(decode) == stats["decode_steps"] == NEW - 1
     for i, ran in enumerate(decode):
         assert ran == sched.layers(i), f"decode step {i}"

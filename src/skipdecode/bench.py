@@ -1,6 +1,6 @@
 """``skipdecode bench``: decode speed against HF transformers, in one run.
 
-Both engines get the same model, prompts (chat template, left padded) and a
+Both engines get the same model, prompts (chat template) and a
 fixed number of new tokens (EOS ignored). Decode time is isolated the same way
 for both: ``t(N new tokens) - t(1 new token)`` over ``N - 1`` decode steps,
 each time the best of several interleaved repeats (timings on shared CPUs are
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .cache import KVCache
 from .generate import generate_tokens
 from .llm import LLM
 from .schedule import SkipSchedule
@@ -80,11 +79,9 @@ class _Ours:
     def fixed_step_seconds(self, repeats: int) -> float:
         """One decode step that runs no layer: embedding + final norm + LM head."""
         net, B = self.llm.model, len(self.ids)
-        cfg = net.cfg
-        cache = KVCache(B, cfg.n_kv_heads, cfg.head_dim, [1] * cfg.n_layers, 1, torch.float32)
-        tok, pos = torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long)
+        tok, pos = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
         with torch.inference_mode():
-            f = lambda: net(tok, pos, [0] * cfg.n_layers, cache=cache, start=0)  # noqa: E731
+            f = lambda: net.decode(tok, pos, [None] * net.n_layers, [])  # noqa: E731
             f()
             return _best_time(f, repeats * 5)
 
@@ -228,7 +225,8 @@ def render_markdown(report: dict) -> str:
         f"skipdecode {m['skipdecode']}",
         f"- Model: `{s['model']}` ({s['num_layers']} layers), fp32, greedy, {s['new_tokens']} new tokens "
         f"(EOS ignored), row i of a batch gets E2E-style prompt i mod {len(s['prompt_tokens'])} "
-        f"({s['prompt_tokens']} tokens with the chat template; left padded), "
+        f"({s['prompt_tokens']} tokens with the chat template; left padded for transformers, "
+        "each in its own KV slots for skipdecode), "
         f"best of {s['repeats']} interleaved repeats",
         f"- skipdecode decodes on: {s.get('decode_kernels', 'oneDNN + torch')}."
         + (" `skipdecode-onednn` is the same engine with them off (oneDNN linears, torch's norm and "

@@ -12,11 +12,10 @@ import json
 import sys
 import time
 
-from .config import ModelError
-from .generate import GenerationError
-from .schedule import ScheduleError
+from .errors import SkipDecodeError
+from .schedule import parse_speedups
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ModelError, ScheduleError, GenerationError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (SkipDecodeError, FileNotFoundError)
 
 DEMO_PROMPTS = [
     "Write one sentence describing this restaurant: name[The Eagle], eatType[coffee shop], "
@@ -26,17 +25,6 @@ DEMO_PROMPTS = [
     "Write one sentence describing this restaurant: name[The Punter], eatType[pub], food[English], "
     "familyFriendly[yes], near[Café Sicilia].",
 ]
-
-
-def parse_speedups(text: str) -> list[float]:
-    """``1,2,3`` -> ``[1.0, 2.0, 3.0]`` (argparse type for every ``--speedups`` flag)."""
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"speedups must be numbers like 1,2,3; got {text!r}") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("give at least one speedup")
-    return vals
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -153,18 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .data import DataError
-    from .train import TrainError
-
-    return USER_ERRORS + (DataError, TrainError)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _user_errors() as e:
+    except USER_ERRORS as e:
         print(f"skipdecode: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import SkipDecodeError
 
-class ModelError(ValueError):
+
+class ModelError(SkipDecodeError):
     """A model or checkpoint we cannot load, with what to do about it."""
 
 

@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from .errors import SkipDecodeError
+
 E2E_INSTRUCTION = "Write one sentence describing this restaurant: "
 SCITLDR_INSTRUCTION = "Write a one-sentence TL;DR of this paper abstract:\n"
 E2E_VALIDATION_MRS = 60  # the held-out MRs of the feasibility check in SKIPDECODE.md
 
 
-class DataError(ValueError):
+class DataError(SkipDecodeError):
     """A data file or example we cannot use, with the file and line at fault."""
 
 

@@ -126,7 +126,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
 
 
 def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
-    from .cli import parse_speedups
+    from .schedule import parse_speedups
 
     e = subparsers.add_parser("evaluate", help="generate and score a task file at several speedups")
     e.add_argument("--task", choices=TASKS, required=True)

@@ -19,6 +19,7 @@ import torch
 from .checkpoint import load_model
 from .config import ModelError
 from .generate import GenerationError, Sampling, generate_tokens
+from .tokenization import encode_prompt
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, SkipSchedule
 
@@ -45,31 +46,6 @@ class Completion:
             for k in ("prompt_token_ids", "token_ids", "active_layers"):
                 d.pop(k)
         return d
-
-
-class _TextTracker:
-    """Incremental detokenization per row, for streaming and stop strings."""
-
-    def __init__(self, tokenizer, n: int, stops: Sequence[str] = ()):
-        self.tok = tokenizer
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.text = [""] * n
-        self.sent = [0] * n
-        self.stops = list(stops)
-
-    def add(self, row: int, token_id: int) -> str:
-        """Append a token; return the newly printable text."""
-        self.ids[row].append(token_id)
-        text = self.tok.decode(self.ids[row], skip_special_tokens=True)
-        self.text[row] = text
-        stable = text[:-1] if text.endswith("\ufffd") else text  # wait for the rest of a UTF-8 char
-        if self.stops:  # never show a stop string, nor a tail that may grow into one
-            hits = [stable.find(s) for s in self.stops if s in stable]
-            hold = max((k for s in self.stops for k in range(1, len(s)) if stable.endswith(s[:k])), default=0)
-            stable = stable[:min(hits)] if hits else stable[:len(stable) - hold]
-        delta = stable[self.sent[row]:]
-        self.sent[row] = max(self.sent[row], len(stable))
-        return delta
 
 
 class LLM:
@@ -153,18 +129,7 @@ class LLM:
         return float(self.training.get("config", {}).get("decay") or DEFAULT_DECAY)
 
     def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
-        if self.tokenizer is None:
-            raise GenerationError(f"{self.path} has no tokenizer; pass token ids to generate_tokens instead")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise GenerationError("prompt is empty: give some text")
-        use_chat = self.tokenizer.chat_template is not None if chat is None else chat
-        if use_chat:
-            if self.tokenizer.chat_template is None:
-                raise GenerationError(f"{self.path} has no chat template; generate without chat")
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt, chat, system)
 
     def generate(
         self,
@@ -185,38 +150,22 @@ class LLM:
         ignore_eos: bool = False,
         on_text: Callable[[int, str], None] | None = None,
     ) -> list[Completion]:
-        """Generate for one or many prompts in one batch; see ``Completion``."""
+        """Generate for one or many prompts in one batch (on the engine: every
+        prompt admitted at once, each leaving when done); see ``Completion``.
+        ``on_text(row, delta)`` streams each row's text."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if isinstance(stop, str):
+            stop = [stop]
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = [self.encode(p, chat, system) for p in prompts]
-        stops = [s for s in stop if s]
-        tracker = _TextTracker(self.tokenizer, len(ids), stops)
-
-        def on_token(row: int, tok: int) -> None:
-            delta = tracker.add(row, tok)
-            if on_text is not None and delta:
-                on_text(row, delta)
-
-        def stop_fn(row: int, _token_ids: list[int]) -> bool:
-            return any(s in tracker.text[row] for s in stops)
-
         rows, _ = generate_tokens(
             self.model, ids, sched, max_new_tokens,
             sampling=Sampling(temperature, top_k, top_p, seed),
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
-            stop=stop_fn if stops else None,
-            on_token=on_token if (stops or on_text is not None) else None,  # decode text only if needed
-            pad_id=self.tokenizer.pad_token_id or 0,
+            tokenizer=self.tokenizer, stop=stop,
+            on_text=on_text,
         )
-        out = []
-        for i, (p, pid, r) in enumerate(zip(prompts, ids, rows)):
-            text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            if r.finish_reason == "stop":
-                cut = min(text.find(s) for s in stops if s in text)
-                text = text[:cut]
-            if on_text is not None and len(text) > tracker.sent[i]:  # text held back while streaming
-                on_text(i, text[tracker.sent[i]:])
-            out.append(Completion(p, text, pid, r.token_ids, r.active_layers, len(r.token_ids),
-                                  r.finish_reason, r.decode_layer_speedup, r.seconds))
-        return out
+        return [Completion(p, r.text, pid, r.token_ids, r.active_layers, len(r.token_ids), r.finish_reason,
+                           r.decode_layer_speedup, r.seconds)
+                for p, pid, r in zip(prompts, ids, rows)]

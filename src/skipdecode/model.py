@@ -12,6 +12,11 @@ sequence, so at any layer the positions that run it are always a prefix:
 Positions past the prefix carry their hidden state through unchanged. The
 prefix only attends to itself (causal), so nothing it reads is missing.
 
+``Transformer.decode`` is the same pass for one position per request, along
+the other axis: requests at different points of their own schedules share a
+step, and layer ``l`` runs on exactly the rows whose layer set holds it. Each
+row reads and writes only its own slots of a KV pool (``engine/kv_cache.py``).
+
 Checked against transformers' own modules (logits to 1e-4) in
 ``tests/test_parity_transformers.py``.
 """
@@ -19,14 +24,14 @@ Checked against transformers' own modules (logits to 1e-4) in
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .cache import KVCache
 from .config import ModelConfig
 
 
@@ -113,6 +118,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+@dataclass
+class LayerRows:
+    """The rows of a decode step that run one layer.
+
+    rows: None (every row), an int ``n`` (rows ``0..n-1``: with rows ordered by
+    budget, the rows running a layer are a leading block for ``skip`` and
+    ``early_exit``), or a ``LongTensor`` of row indices (any other mix).
+    slots: ``(n, 2)`` int64, each row's (first slot, slot count) in this layer's
+    pool, the count including the position being decoded.
+    """
+
+    rows: int | torch.Tensor | None
+    slots: torch.Tensor
+
+
 class Block(nn.Module):
     """One transformer layer: attention + MLP, pre- or post-norm."""
 
@@ -140,8 +160,9 @@ class Block(nn.Module):
                 and cfg.pos == "rope" and cfg.head_dim % 8 == 0
                 and all(isinstance(getattr(self, n), PackedLinear) for n in ("wqkv", "wo", "w13", "w2")))
 
-    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                  mask: torch.Tensor | None, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``(B, T, H, hd)``, keys and values ``(B, T, K, hd)``, rotated."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -152,7 +173,18 @@ class Block(nn.Module):
         elif rope is not None:
             qk = apply_rope(qk, *rope)  # queries and keys rotated in one pass
         q, k = qk.split([H, K], dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, K, hd).transpose(1, 2)  # (B, nh, T, hd)
+        return q, k, v.view(B, T, K, hd)
+
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                  mask: torch.Tensor | None, cache, layer: int, start: int) -> torch.Tensor:
+        """Attention over a dense cache (prefill, training, the reference).
+        ``cache.update(layer, start, k, v)`` stores this chunk's keys/values
+        at slots ``start..start+T`` and returns slots ``0..start+T``."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, k, v = self.qkv(x, rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hd)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)  # (B, K, start+T, hd)
         if T == 1 and self.kernels is not None and hd % 8 == 0:  # keys/values read once per KV group
@@ -167,6 +199,30 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd))
 
+    def attention_pool(self, x: torch.Tensor, rope, kpool: torch.Tensor, vpool: torch.Tensor,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """One position per row over a KV pool ``(K, pool_slots, hd)``: row ``r``
+        owns slots ``slots[r, 0] .. slots[r, 0] + slots[r, 1] - 1``; its new
+        key/value goes to the last of them and it attends to all of them."""
+        cfg = self.cfg
+        R = x.shape[0]
+        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, k, v = self.qkv(x, rope)  # (R, 1, nh, hd)
+        last = slots[:, 0] + slots[:, 1] - 1
+        kpool[:, last] = k[:, 0].transpose(0, 1)
+        vpool[:, last] = v[:, 0].transpose(0, 1)
+        if self.kernels is not None and hd % 8 == 0:  # reads each row's own slots, nothing else
+            return self.wo(self.kernels.decode_attention(q[:, 0].contiguous(), kpool, vpool, None, hd ** -0.5, slots))
+        # plain torch: gather each row's slots into a padded block, mask the tail
+        n = int(slots[:, 1].max())
+        offs = torch.arange(n)
+        idx = (slots[:, :1] + offs).clamp(max=kpool.shape[1] - 1)  # (R, n)
+        valid = offs[None, :] < slots[:, 1:]
+        kg, vg = kpool[:, idx].transpose(0, 1), vpool[:, idx].transpose(0, 1)  # (R, K, n, hd)
+        y = F.scaled_dot_product_attention(q[:, 0].reshape(R, K, H // K, hd), kg, vg,
+                                           attn_mask=valid[:, None, None, :])
+        return self.wo(y.reshape(R, 1, H * hd))
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w13(x)
         if self.cfg.mlp == "swiglu" and self.kernels is not None:
@@ -176,28 +232,31 @@ class Block(nn.Module):
             return self.w2(F.silu(gate) * up)
         return self.w2(_act(self.cfg.mlp, h))
 
-    def forward(self, x, rope, mask, cache, layer: int, start: int, next_layer: int | None = None) -> torch.Tensor:
-        """``next_layer``: the layer that runs next, whose keys/values the fused
-        decode path starts pulling into the CPU caches."""
-        if self.fused_decode and x.shape[1] == 1 and cache is not None:
-            return self._decode_fused(x, rope, mask, cache, layer, start, next_layer)
+    def _residual(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer around its attention: pre-norm (Llama, GPT-2, OPT) or post-norm (OPT-350m)."""
         if self.cfg.pre_norm:
-            x = x + self.attention(self.attn_norm(x), rope, mask, cache, layer, start)
+            x = x + attend(self.attn_norm(x))
             return x + self.mlp(self.mlp_norm(x))
-        x = self.attn_norm(x + self.attention(x, rope, mask, cache, layer, start))
+        x = self.attn_norm(x + attend(x))
         return self.mlp_norm(x + self.mlp(x))
 
-    def _decode_fused(self, x, rope, mask, cache: KVCache, layer: int, start: int,
-                      next_layer: int | None) -> torch.Tensor:
-        """The same layer as ``forward`` for one decode position, as one kernel call
-        (checked against the unfused path in tests/test_kernels.py)."""
-        kc, vc = cache.layer(layer, start + 1)
-        nk, nv = (None, None) if next_layer is None else cache.layer(next_layer, start + 1)
-        a, m = self.attn_norm, self.mlp_norm
-        return self.kernels.decode_block(
-            x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
-            self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kc, vc, start, rope[0], rope[1], mask,
-            self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv)
+    def forward(self, x, rope, mask, cache, layer: int, start: int) -> torch.Tensor:
+        """Every position of a chunk ``(B, T, dim)`` over a dense cache (or none)."""
+        return self._residual(x, lambda h: self.attention(h, rope, mask, cache, layer, start))
+
+    def decode(self, x: torch.Tensor, rope, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor,
+               next_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One position per row ``(R, 1, dim)`` over this layer's KV pool.
+        ``next_pool``: the pool of the layer that runs next, which the fused
+        path starts pulling into the CPU caches."""
+        if self.fused_decode:  # the same layer as one kernel call (checked in tests/test_kernels.py)
+            a, m = self.attn_norm, self.mlp_norm
+            nk, nv = next_pool if next_pool is not None else (None, None)
+            return self.kernels.decode_block(
+                x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
+                self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kpool, vpool, slots, rope[0],
+                rope[1], self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv)
+        return self._residual(x, lambda h: self.attention_pool(h, rope, kpool, vpool, slots))
 
 
 class Transformer(nn.Module):
@@ -263,7 +322,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         active_len: Sequence[int] | None = None,
         *,
-        cache: KVCache | None = None,
+        cache=None,
         start: int = 0,
         key_valid: torch.Tensor | None = None,
         last_only: bool = False,
@@ -271,7 +330,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """The skipping forward pass; returns logits ``(B, T or 1, vocab)``.
 
-        tokens, positions: ``(B, T)``; positions are per row (left padding).
+        tokens, positions: ``(B, T)``; positions are per row (left padding in training).
         active_len: per layer, how many leading positions run it (None = all).
         cache/start: write keys/values at slots ``start..start+T``.
         key_valid: ``(B, start+T)`` bool, False for padding slots.
@@ -281,12 +340,10 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         x, rope = self.embed(tokens, positions)
         mask = attention_mask(T, start, key_valid, x.device)
-        runs = [l for l in range(self.n_layers) if active_len is None or active_len[l] > 0]
-        following = dict(zip(runs, runs[1:]))  # layer -> the next layer that runs
         for layer, block in enumerate(self.layers):
             n = T if active_len is None else active_len[layer]
             if n == T:
-                x = block(x, rope, mask, cache, layer, start, following.get(layer))
+                x = block(x, rope, mask, cache, layer, start)
             elif n > 0:
                 r = None if rope is None else (rope[0][:, :n], rope[1][:, :n])
                 m = None if mask is None else mask[:, :, :n, : start + n]
@@ -296,6 +353,33 @@ class Transformer(nn.Module):
         elif logits_from:
             x = x[:, logits_from:]
         return self.head(x)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, layer_rows: Sequence["LayerRows | None"],
+               pools: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One decode position for each of ``R`` rows; returns logits ``(R, vocab)``.
+
+        tokens, positions: ``(R,)``, each row at its own position.
+        layer_rows[l]: which rows run layer ``l`` and their slots in its pool
+        ``pools[l] = (keys, values)``, each ``(K, pool_slots, hd)``; None when
+        no row runs it. Rows that skip a layer carry their hidden state.
+        """
+        x, rope = self.embed(tokens[:, None], positions[:, None])  # (R, 1, dim)
+        runs = [l for l, lr in enumerate(layer_rows) if lr is not None]
+        for i, l in enumerate(runs):
+            lr = layer_rows[l]
+            nxt = pools[runs[i + 1]] if i + 1 < len(runs) else None
+            block = self.layers[l]
+            if lr.rows is None:  # every row
+                x = block.decode(x, rope, *pools[l], lr.slots, nxt)
+            elif isinstance(lr.rows, int):  # a leading block of rows (rows ordered by budget)
+                n = lr.rows
+                r = None if rope is None else (rope[0][:n], rope[1][:n])
+                x = torch.cat([block.decode(x[:n], r, *pools[l], lr.slots, nxt), x[n:]])
+            else:  # any subset
+                idx = lr.rows
+                r = None if rope is None else (rope[0].index_select(0, idx), rope[1].index_select(0, idx))
+                x = x.index_copy(0, idx, block.decode(x.index_select(0, idx), r, *pools[l], lr.slots, nxt))
+        return self.head(x)[:, 0]
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

@@ -18,17 +18,20 @@ it. Conventions (see SKIPDECODE.md):
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import SkipDecodeError
+
 MODES = ("skip", "early_exit")
 DEFAULT_DECAY = 1.5  # preferred first budget / mean budget (see SkipSchedule.for_speedup)
 
 
-class ScheduleError(ValueError):
+class ScheduleError(SkipDecodeError):
     """A schedule that cannot be run as asked (a clear, user-facing error)."""
 
 
@@ -234,3 +237,14 @@ def _solve(L: int, target: float, steps: int, H: int, w: int, decay: float = DEF
     _, max_e, min_e = min((c for c in cands if c[0] <= tol),
                           key=lambda c: (abs(c[1] - preferred_start), c[0], -c[2]))
     return max_e, min_e
+
+
+def parse_speedups(text: str) -> list[float]:
+    """``1,2,3`` -> ``[1.0, 2.0, 3.0]`` (the argparse type of every ``--speedups`` flag)."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"speedups must be numbers like 1,2,3; got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("give at least one speedup")
+    return vals

@@ -69,6 +69,7 @@ from torch import nn
 from .checkpoint import DEFAULT_MODEL, load_model, save_hf_model
 from .config import ModelError
 from .data import DataError, TaskData, encode_example, load_task
+from .errors import SkipDecodeError
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, ScheduleError, SkipSchedule
 
@@ -85,7 +86,7 @@ _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_la
                 "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp")
 
 
-class TrainError(ValueError):
+class TrainError(SkipDecodeError):
     """A training run that cannot start or continue as asked."""
 
 
@@ -829,7 +830,7 @@ def _val_groups(text: str) -> float:
 
 def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``train`` verb on the ``skipdecode`` command line."""
-    from .cli import parse_speedups
+    from .schedule import parse_speedups
 
     d = TrainConfig()
     t = subparsers.add_parser(

@@ -104,20 +104,28 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "skipdecode kernel: ", w
 
 }  // namespace
 
-// Memory another kernel will read soon: `nranges` ranges of `range_bytes`,
-// `stride` bytes apart, in each of two tensors (a layer's keys and values).
-// The GEMMs of a decode step are compute bound at batch 8-32 while attention
-// is bound by memory; pulling the next layer's keys/values toward the caches
-// during a GEMM overlaps the two.
+// Memory another kernel will read soon: byte ranges (a layer's keys and values
+// of every row and KV head). The GEMMs of a decode step are compute bound at
+// batch 8-32 while attention is bound by memory; pulling the next layer's
+// keys/values toward the caches during a GEMM overlaps the two.
 struct Prefetch {
-  const char* base[2] = {nullptr, nullptr};
-  int64_t nranges = 0, stride = 0, range_bytes = 0;
-  int64_t lines() const { return base[0] ? 2 * nranges * ((range_bytes + 63) / 64) : 0; }
+  std::vector<const char*> base;
+  std::vector<int64_t> first_line;  // prefix sums of lines per range, size ranges + 1
+  void add(const char* p, int64_t bytes) {
+    if (first_line.empty()) first_line.push_back(0);
+    base.push_back(p);
+    first_line.push_back(first_line.back() + (bytes + 63) / 64);
+  }
+  int64_t lines() const { return first_line.empty() ? 0 : first_line.back(); }
   void part(int64_t i, int64_t parts) const {  // the i-th of `parts` equal shares
-    const int64_t n = lines(), lpr = (range_bytes + 63) / 64;
-    for (int64_t l = n * i / parts, end = n * (i + 1) / parts; l < end; ++l) {
-      const int64_t t = l / (nranges * lpr), rem = l % (nranges * lpr);
-      _mm_prefetch(base[t] + (rem / lpr) * stride + (rem % lpr) * 64, _MM_HINT_T2);
+    const int64_t n = lines();
+    if (n == 0) return;
+    int64_t l = n * i / parts;
+    const int64_t end = n * (i + 1) / parts;
+    size_t r = std::upper_bound(first_line.begin(), first_line.end(), l) - first_line.begin() - 1;
+    for (; l < end; ++l) {
+      while (l >= first_line[r + 1]) ++r;
+      _mm_prefetch(base[r] + (l - first_line[r]) * 64, _MM_HINT_T2);
     }
   }
 };
@@ -242,44 +250,42 @@ static inline void weighted_values_ng(int ng, const float* p, int64_t sp, const 
   }
 }
 
-// One decode step of attention, T = 1: q [B, H, hd]; keys/values [B, KVH, S, hd]
-// (any strides along B, KVH and S, e.g. a view of the preallocated cache);
-// mask [B, S] bool (true = attend) or None. Each task (row, KV head) reads its
-// keys and values once for all H / KVH query heads of its group, and skips
-// the keys/values of masked (padding) slots.
-// Returns [B, 1, H * hd], the layout the output projection takes.
-torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
-                               const c10::optional<torch::Tensor>& mask_in, double scale) {
-  check(q_in.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-        v.scalar_type() == torch::kFloat, "float32 only");
-  const auto q = q_in.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), KVH = k.size(1), S = k.size(2);
-  check(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == hd && H % KVH == 0, "attention shapes");
-  check(hd % 8 == 0 && k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be a multiple of 8, rows contiguous");
-  torch::Tensor mask;
-  if (mask_in.has_value()) {
-    mask = mask_in->reshape({B, -1}).to(torch::kBool).contiguous();
-    check(mask.size(1) == S, "mask length");
-  }
-  const bool* ma = mask_in.has_value() ? mask.data_ptr<bool>() : nullptr;
+// Where one row's keys and values are: row b, KV head g reads len(b) slots
+// from kptr(b, g) on, `ks`/`vs` elements apart. Either a dense cache
+// [B, KVH, S, hd] (every row S slots from slot 0) or a KV pool [KVH, slots, hd]
+// where row b owns slots start(b) .. start(b) + len(b) - 1.
+struct KVView {
+  const float* k;
+  const float* v;
+  int64_t kb, kg, ks, vb, vg, vs;  // strides in elements: row, head, slot
+  const int64_t* rows = nullptr;   // pool: [B, 2] (start, len); dense: null
+  int64_t S = 0;                   // dense: slots per row
+  const float* kptr(int64_t b, int64_t g) const { return k + (rows ? rows[2 * b] * ks : b * kb) + g * kg; }
+  const float* vptr(int64_t b, int64_t g) const { return v + (rows ? rows[2 * b] * vs : b * vb) + g * vg; }
+  int64_t len(int64_t b) const { return rows ? rows[2 * b + 1] : S; }
+};
+
+// One decode step of attention, T = 1, q [B, H, hd] contiguous; mask [B, S]
+// (dense views only; true = attend) or null. Each task (row, KV head) reads
+// its keys and values once for all H / KVH query heads of its group, and skips
+// the keys/values of masked (padding) slots. out: [B, H * hd].
+void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, const KVView& kv, const bool* ma,
+            float sc, float* oa) {
   const int64_t G = H / KVH;
-  auto out = torch::empty({B, 1, H * hd}, q.options());
-  const float* qa = q.data_ptr<float>();
-  const float* ka = k.data_ptr<float>();
-  const float* va = v.data_ptr<float>();
-  float* oa = out.data_ptr<float>();
-  const float sc = float(scale);
+  int64_t maxS = 1;
+  for (int64_t b = 0; b < B; ++b) maxS = std::max(maxS, kv.len(b));
   const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t ks = k.stride(2), vs = v.stride(2);
+  const int64_t ks = kv.ks, vs = kv.vs;
   at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t Sp = (S + 7) / 8 * 8;
-    std::vector<float> p(G * Sp);
+    const int64_t Spmax = (maxS + 7) / 8 * 8;
+    std::vector<float> p(G * Spmax);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / KVH, g = t % KVH;
-      const float* kb = ka + b * k.stride(0) + g * k.stride(1);
-      const float* vb = va + b * v.stride(0) + g * v.stride(1);
+      const int64_t S = kv.len(b), Sp = (S + 7) / 8 * 8;
+      const float* kb = kv.kptr(b, g);
+      const float* vb = kv.vptr(b, g);
       const float* qg = qa + (b * H + g * G) * hd;
-      const bool* mb = ma ? ma + b * S : nullptr;
+      const bool* mb = ma ? ma + b * kv.S : nullptr;
       int64_t s = 0;
       for (; s + 4 <= S; s += 4) {  // scores, four keys at a time for every query of the group
         if (mb && !(mb[s] | mb[s + 1] | mb[s + 2] | mb[s + 3])) {
@@ -352,6 +358,55 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
       }
     }
   });
+}
+
+void check_rows(const torch::Tensor& rows, int64_t B, int64_t slots) {
+  check(rows.scalar_type() == torch::kLong && rows.dim() == 2 && rows.size(0) == B && rows.size(1) == 2 &&
+        rows.is_contiguous(), "rows must be a contiguous [B, 2] int64 tensor of (start, length)");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    check(r[2 * b] >= 0 && r[2 * b + 1] >= 1 && r[2 * b] + r[2 * b + 1] <= slots, "row slots outside the KV pool");
+}
+
+// Attention of one query position per row. Dense: keys/values [B, KVH, S, hd]
+// (any strides along B, KVH and S, e.g. a view of a cache) with an optional
+// mask [B, S]. Pool (`rows` given): keys/values [KVH, slots, hd] and row b
+// attends to its own slots rows[b, 0] .. rows[b, 0] + rows[b, 1] - 1, so no
+// row reads another's slots nor any empty one. Returns [B, 1, H * hd], the
+// layout the output projection takes.
+torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask_in, double scale,
+                               const c10::optional<torch::Tensor>& rows) {
+  check(q_in.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+        v.scalar_type() == torch::kFloat, "float32 only");
+  const auto q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2);
+  check(k.sizes() == v.sizes() && k.size(-1) == hd, "attention shapes");
+  check(hd % 8 == 0 && k.stride(-1) == 1 && v.stride(-1) == 1, "head_dim must be a multiple of 8, rows contiguous");
+  KVView kv{k.data_ptr<float>(), v.data_ptr<float>()};
+  torch::Tensor mask;
+  int64_t KVH;
+  if (rows.has_value()) {
+    check(k.dim() == 3 && !mask_in.has_value(), "a KV pool is [kv_heads, slots, head_dim], with no mask");
+    KVH = k.size(0);
+    check_rows(*rows, B, k.size(1));
+    kv.kg = k.stride(0), kv.ks = k.stride(1), kv.vg = v.stride(0), kv.vs = v.stride(1);
+    kv.rows = rows->data_ptr<int64_t>();
+  } else {
+    check(k.dim() == 4 && k.size(0) == B, "a dense cache is [B, kv_heads, slots, head_dim]");
+    KVH = k.size(1);
+    kv.kb = k.stride(0), kv.kg = k.stride(1), kv.ks = k.stride(2);
+    kv.vb = v.stride(0), kv.vg = v.stride(1), kv.vs = v.stride(2);
+    kv.S = k.size(2);
+    if (mask_in.has_value()) {
+      mask = mask_in->reshape({B, -1}).to(torch::kBool).contiguous();
+      check(mask.size(1) == kv.S, "mask length");
+    }
+  }
+  check(H % KVH == 0, "query heads must be a multiple of KV heads");
+  auto out = torch::empty({B, 1, H * hd}, q.options());
+  attend(q.data_ptr<float>(), B, H, hd, KVH, kv, mask.defined() ? mask.data_ptr<bool>() : nullptr, float(scale),
+         out.data_ptr<float>());
   return out;
 }
 
@@ -459,24 +514,27 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 }
 
 // One pre-norm Llama-family layer (RMSNorm, RoPE, GQA, SwiGLU) for one decode
-// position, in one call instead of ~25 dispatched ops, with the residual adds
-// done by the output GEMMs. x [B, 1, D]; this position's keys/values go to
-// slot `slot` of the layer's cache [B, KVH, slots, hd]; attention reads slots
-// 0..slot. next_k/next_v: the cache of the layer that runs next, prefetched
-// during the gate/up GEMM. Returns the new hidden state; x is not modified.
+// position per row, in one call instead of ~25 dispatched ops, with the
+// residual adds done by the output GEMMs. x [B, 1, D]; the layer's KV pool is
+// [KVH, slots, hd] and row b owns slots rows[b, 0] .. rows[b, 0] + rows[b, 1] - 1:
+// its new key/value goes to the last of them and attention reads all of them.
+// next_k/next_v: the pool of the layer that runs next, whose slots of these
+// rows are prefetched during the gate/up GEMM. Returns the new hidden state;
+// x is not modified.
 torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
                            double eps, const torch::Tensor& wqkv, const c10::optional<torch::Tensor>& bqkv,
                            const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& w13,
                            const c10::optional<torch::Tensor>& b13, const torch::Tensor& w2,
-                           const c10::optional<torch::Tensor>& b2, torch::Tensor kc, torch::Tensor vc, int64_t slot,
-                           const torch::Tensor& cos, const torch::Tensor& sin, const c10::optional<torch::Tensor>& mask,
-                           int64_t H, double scale, const c10::optional<torch::Tensor>& next_k,
+                           const c10::optional<torch::Tensor>& b2, torch::Tensor kpool, torch::Tensor vpool,
+                           const torch::Tensor& rows, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
+                           double scale, const c10::optional<torch::Tensor>& next_k,
                            const c10::optional<torch::Tensor>& next_v) {
   check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
-  check(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(0) == x.size(0) && kc.stride(3) == 1 &&
-        vc.stride(3) == 1 && kc.scalar_type() == torch::kFloat && vc.scalar_type() == torch::kFloat, "KV cache");
-  check(0 <= slot && slot < kc.size(2), "cache slot out of range");
-  const int64_t B = x.size(0), D = x.size(2), KVH = kc.size(1), hd = kc.size(3);
+  check(kpool.dim() == 3 && kpool.sizes() == vpool.sizes() && kpool.is_contiguous() && vpool.is_contiguous() &&
+        kpool.scalar_type() == torch::kFloat && vpool.scalar_type() == torch::kFloat,
+        "KV pool must be contiguous float32 [kv_heads, slots, head_dim]");
+  const int64_t B = x.size(0), D = x.size(2), KVH = kpool.size(0), slots = kpool.size(1), hd = kpool.size(2);
+  check_rows(rows, B, slots);
   const int64_t nqkv = (H + 2 * KVH) * hd, I = w2.size(1);
   check_packed(wqkv, D, nqkv, bqkv);
   check_packed(wo, H * hd, D, bo);
@@ -484,6 +542,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   check_packed(w2, I, D, b2);
   const float* nul = nullptr;
   auto bp = [&](const c10::optional<torch::Tensor>& b) { return b.has_value() ? b->data_ptr<float>() : nul; };
+  const int64_t* ra = rows.data_ptr<int64_t>();
 
   auto h = x.contiguous().clone();  // the residual stream, updated in place below
   auto n1 = rms_norm(h, attn_norm, eps);
@@ -491,31 +550,40 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   linear_into(n1.data_ptr<float>(), B, wqkv, bp(bqkv), nqkv, qkv.data_ptr<float>(), nullptr);
   rope_(qkv.narrow(2, 0, H + KVH), cos, sin);
   const float* qa = qkv.data_ptr<float>();
-  float* ka = kc.data_ptr<float>();
-  float* va = vc.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)  // this position's keys and values into the cache
+  float* ka = kpool.data_ptr<float>();
+  float* va = vpool.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // this position's keys and values into each row's last slot
+    const int64_t slot = ra[2 * b] + ra[2 * b + 1] - 1;
     for (int64_t g = 0; g < KVH; ++g) {
       const float* src = qa + (b * (H + 2 * KVH) + H + g) * hd;
-      std::copy(src, src + hd, ka + b * kc.stride(0) + g * kc.stride(1) + slot * kc.stride(2));
-      std::copy(src + KVH * hd, src + (KVH + 1) * hd, va + b * vc.stride(0) + g * vc.stride(1) + slot * vc.stride(2));
+      std::copy(src, src + hd, ka + (g * slots + slot) * hd);
+      std::copy(src + KVH * hd, src + (KVH + 1) * hd, va + (g * slots + slot) * hd);
     }
-  auto att = decode_attention(qkv.narrow(2, 0, H).reshape({B, H, hd}), kc.narrow(2, 0, slot + 1),
-                              vc.narrow(2, 0, slot + 1), mask, scale);
+  }
+  KVView kv{ka, va, 0, slots * hd, hd, 0, slots * hd, hd, ra};
+  auto q = qkv.narrow(2, 0, H).reshape({B, H, hd}).contiguous();
+  auto att = torch::empty({B, 1, H * hd}, x.options());
+  attend(q.data_ptr<float>(), B, H, hd, KVH, kv, nullptr, float(scale), att.data_ptr<float>());
   float* ha = h.data_ptr<float>();
   linear_into(att.data_ptr<float>(), B, wo, bp(bo), D, ha, ha);
   auto n2 = rms_norm(h, mlp_norm, eps);
   auto gu = torch::empty({B, 1, 2 * I}, x.options());
-  Prefetch pf;  // the next layer's keys/values (slots 0..slot), during the largest GEMM
+  Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
   if (next_k.has_value() && next_v.has_value()) {
     const auto& nk = *next_k;
-    check(nk.dim() == 4 && nk.sizes() == next_v->sizes() && nk.size(0) == B && nk.size(1) == KVH &&
-          nk.size(2) > slot && nk.size(3) == hd && nk.is_contiguous() && next_v->is_contiguous() &&
-          nk.scalar_type() == torch::kFloat && next_v->scalar_type() == torch::kFloat, "next layer's cache");
-    pf.base[0] = reinterpret_cast<const char*>(next_k->data_ptr<float>());
-    pf.base[1] = reinterpret_cast<const char*>(next_v->data_ptr<float>());
-    pf.nranges = B * KVH;
-    pf.stride = next_k->stride(1) * 4;
-    pf.range_bytes = (slot + 1) * hd * 4;
+    const auto& nv = *next_v;
+    check(nk.dim() == 3 && nk.sizes() == nv.sizes() && nk.size(0) == KVH && nk.size(2) == hd && nk.is_contiguous() &&
+          nv.is_contiguous() && nk.scalar_type() == torch::kFloat && nv.scalar_type() == torch::kFloat,
+          "next layer's KV pool");
+    const int64_t nslots = nk.size(1);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t st = ra[2 * b], n = std::min(ra[2 * b + 1], nslots - st);
+      if (st >= nslots || n <= 0) continue;
+      for (int64_t g = 0; g < KVH; ++g) {
+        pf.add(reinterpret_cast<const char*>(nk.data_ptr<float>() + (g * nslots + st) * hd), n * hd * 4);
+        pf.add(reinterpret_cast<const char*>(nv.data_ptr<float>() + (g * nslots + st) * hd), n * hd * 4);
+      }
+    }
   }
   linear_into(n2.data_ptr<float>(), B, w13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, pf);
   auto a = silu_mul(gu);
@@ -528,7 +596,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
-  m.def("decode_attention", &decode_attention, "one query position, grouped KV heads read once");
+  m.def("decode_attention", &decode_attention, "one query position per row, grouped KV heads read once",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
-  m.def("decode_block", &decode_block, "one pre-norm Llama-family layer for one decode position");
+  m.def("decode_block", &decode_block, "one pre-norm Llama-family layer, one decode position per row, on a KV pool");
 }

@@ -1,0 +1,10 @@
+"""The serving core: requests, the scheduler, the KV pool, the model runner,
+the sampler and the step loop. No HTTP, no argparse."""
+
+from .engine import AsyncEngine, Engine, EngineConfig, pool_for
+from .kv_cache import KVPool, layer_needs
+from .request import EngineError, Request, RequestOutput, RequestState, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
+
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineError", "KVPool", "Request", "RequestOutput",
+           "RequestState", "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan", "layer_needs", "pool_for"]

@@ -1,0 +1,134 @@
+"""What a request asks for, the engine's state of it, and what it reports back."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..errors import SkipDecodeError
+from ..schedule import SkipSchedule, layers_for_budget
+
+
+class EngineError(SkipDecodeError):
+    """A request the engine cannot take as given (says what to change)."""
+
+
+FINISH_REASONS = ("length", "eos", "stop", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when ``temperature == 0`` (the default). A sampled request draws
+    from its own generator seeded ``seed``, so its tokens do not depend on its
+    batch-mates or on when it arrived."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise EngineError(f"temperature must be a finite number >= 0, got {t!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise EngineError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
+                              or not 0 < p <= 1):
+            raise EngineError(f"top_p must be in (0, 1], got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63):
+            raise EngineError(f"seed must be an integer in [0, 2**63), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: prompt token ids, its own schedule and sampling."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    schedule: SkipSchedule
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class Status(Enum):
+    WAITING = "waiting"  # queued, no KV yet
+    PREFILL = "prefill"  # KV reserved, prompt chunks running
+    DECODE = "decode"  # generating
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestState:
+    """The engine's view of one request while it lives."""
+
+    request: Request
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    reservation: object | None = None  # kv_cache.Reservation while KV is held
+    prefilled: int = 0  # prompt tokens whose keys/values are written
+    token_ids: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # budgets[i]: layers generated token i ran when fed back
+    layer_mode: tuple[int, str] = (1, "skip")  # (warm-up layers, mode) of the layer sets it ran
+    finish_reason: str | None = None
+    text: str = ""
+    arrived_step: int | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finished_step: int | None = None
+    detok: object | None = None  # tokenization.Detokenizer when the engine has a tokenizer
+    generator: object | None = None  # torch.Generator of a sampled request
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    def next_own_budget(self) -> int:
+        """The budget its own schedule gives the token it feeds next."""
+        return self.request.schedule.budget(len(self.token_ids) - 1)
+
+    def active_layers(self, num_layers: int) -> list[list[int]]:
+        """The layers each generated token ran when fed back ([] for the last, never fed)."""
+        w, mode = self.layer_mode
+        out = [layers_for_budget(num_layers, b, w, mode) for b in self.budgets]
+        return out + [[]] * (len(self.token_ids) - len(out))
+
+    def decode_layer_speedup(self, num_layers: int) -> float:
+        return num_layers * len(self.budgets) / sum(self.budgets) if self.budgets else 1.0
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta), and its totals so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    active_layers: list[list[int]] = field(default_factory=list)  # filled when finished
+    decode_layer_speedup: float = 1.0
+    arrived_step: int | None = None
+    finished_step: int | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None  # set when the engine failed this request

@@ -1,0 +1,51 @@
+"""Executes a step plan on the model: prompt chunks, then one decode position
+per row with each layer on its own rows. Mechanism only: what runs is decided
+by the scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import LayerRows, Transformer
+from .kv_cache import KVPool, RequestKV
+from .request import RequestState
+from .scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, pool: KVPool):
+        self.model, self.pool = model, pool
+        self._pools = pool.pools()
+
+    @torch.inference_mode()
+    def prefill(self, st: RequestState, start: int, end: int) -> torch.Tensor | None:
+        """Prompt tokens ``start..end-1`` at full depth into the request's slots;
+        the last position's logits ``(vocab,)`` when the chunk ends the prompt."""
+        tokens = torch.tensor([st.request.prompt_token_ids[start:end]])
+        positions = torch.arange(start, end)[None]
+        logits = self.model(tokens, positions, None, cache=RequestKV(self.pool, st.reservation), start=start,
+                            last_only=True)
+        return logits[0, -1] if end == st.prompt_len else None
+
+    @torch.inference_mode()
+    def decode(self, plan: StepPlan) -> torch.Tensor:
+        """Logits ``(rows, vocab)``: each row feeds its last token at its own position."""
+        rows = plan.decode
+        tokens = torch.tensor([st.token_ids[-1] for st in rows])
+        fed = [st.prompt_len + len(st.token_ids) - 1 for st in rows]  # position of the token fed back
+        positions = torch.tensor(fed)
+        # A row that runs layer l at this step ran it at every earlier step too
+        # (budgets never increase), so it holds prompt + steps-so-far + 1 slots there.
+        lens = positions + 1
+        starts = torch.tensor([st.reservation.starts for st in rows])  # (R, L)
+        layer_rows: list[LayerRows | None] = []
+        for l, (n, idx) in enumerate(plan.layers):
+            if n == 0:
+                layer_rows.append(None)
+            elif idx is None:
+                slots = torch.stack([starts[:n, l], lens[:n]], 1)
+                layer_rows.append(LayerRows(None if n == len(rows) else n, slots))
+            else:
+                ix = torch.tensor(idx)
+                layer_rows.append(LayerRows(ix, torch.stack([starts[ix, l], lens[ix]], 1)))
+        return self.model.decode(tokens, positions, layer_rows, self._pools)

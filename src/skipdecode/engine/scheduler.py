@@ -1,0 +1,180 @@
+"""Which requests run in a step, and which rows run which layers.
+
+Policy, no mechanism: the scheduler never touches the model or a tensor. Each
+step it
+
+1. admits waiting requests first come, first served, while the number of
+   running requests and the KV pool allow (a request's KV is reserved whole at
+   admission, so a running request never runs out);
+2. plans prompt chunks at full depth up to a token budget per step, so the
+   time per output token of running requests stays bounded while long prompts
+   arrive; chunk boundaries are fixed multiples of ``prefill_chunk`` from the
+   prompt's start, so a prompt's numerics never depend on its batch-mates;
+3. gives every decoding row a budget and orders rows by it, deepest first.
+
+Budgets, two policies:
+
+- ``per_row`` (ours): each request feeds its next token with the budget of
+  its *own* schedule at its own position. Its budget never increases, so every
+  key/value it reads exists, whatever its batch-mates do. Layer ``l`` runs on
+  the rows whose layer set holds it; with rows ordered by budget these are a
+  leading block for ``skip`` and ``early_exit``. A step costs the sum of the
+  rows' budgets, not the maximum.
+- ``shared`` (the paper's rule, kept for comparison): the whole step runs one
+  layer set, the lowest next budget of the batch, never above what any row
+  ran before (so no row's budget ever increases). Requests then get less depth
+  than their schedules ask whenever a shallower request shares their step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVPool, layer_needs
+from .request import EngineError, RequestState, Status
+
+POLICIES = ("per_row", "shared")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 32  # requests running at once (prefilling or decoding)
+    max_prefill_tokens: int = 256  # prompt tokens per step, over all chunks (at least one chunk runs)
+    prefill_chunk: int = 128  # prompt chunk length; boundaries at multiples of it
+    policy: str = "per_row"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_prefill_tokens", "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EngineError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.policy not in POLICIES:
+            raise EngineError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclass
+class StepPlan:
+    """One step: prompt chunks to run, and the decoding rows with their layers."""
+
+    step: int
+    admitted: list[RequestState] = field(default_factory=list)
+    prefill: list[tuple[RequestState, int, int]] = field(default_factory=list)  # (request, start, end)
+    decode: list[RequestState] = field(default_factory=list)  # deepest budget first
+    budgets: list[int] = field(default_factory=list)  # per decode row
+    # per layer: (n, None) = rows 0..n-1 run it; (n, indices) = exactly those rows; n == 0: no row
+    layers: list[tuple[int, list[int] | None]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVPool, num_layers: int):
+        self.config, self.pool, self.num_layers = config, pool, num_layers
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+
+    # -- requests --------------------------------------------------------------
+    def needs(self, st: RequestState) -> list[int]:
+        r = st.request
+        return layer_needs(r.schedule, st.prompt_len, r.max_new_tokens)
+
+    def check_fits(self, st: RequestState) -> None:
+        """A request that could never be admitted is an error now, not a hang later."""
+        needs = self.needs(st)
+        if not self.pool.fits_empty(needs):
+            worst = max(range(len(needs)), key=lambda l: needs[l] - self.pool.capacities[l])
+            raise EngineError(
+                f"request {st.request_id!r} needs {needs[worst]} KV slots at layer {worst} "
+                f"({st.prompt_len} prompt tokens + up to {st.request.max_new_tokens - 1} fed back) but the pool "
+                f"holds {self.pool.capacities[worst]}: shorten the prompt, lower max_new_tokens or enlarge the pool")
+        if self.config.policy == "shared" and self.running + list(self.waiting):
+            ref = (self.running + list(self.waiting))[0].request.schedule
+            s = st.request.schedule
+            if (s.mode, s.warmup_layers if s.mode == "skip" else 0) != \
+                    (ref.mode, ref.warmup_layers if ref.mode == "skip" else 0):
+                raise EngineError("the shared policy runs one layer set per step: every request needs the same "
+                                  "mode and warm-up layers; use the per_row policy to mix them")
+
+    def add(self, st: RequestState) -> None:
+        self.check_fits(st)
+        self.waiting.append(st)
+
+    def remove(self, st: RequestState) -> None:
+        """Take a request out (finished or aborted) and free its KV at once."""
+        if st in self.waiting:
+            self.waiting.remove(st)
+        if st in self.running:
+            self.running.remove(st)
+        if st.reservation is not None:
+            self.pool.release(st.reservation)
+            st.reservation = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- a step ------------------------------------------------------------------
+    def schedule(self, step: int) -> StepPlan:
+        plan = StepPlan(step)
+        cfg = self.config
+        while self.waiting and len(self.running) < cfg.max_num_seqs:  # first come, first served
+            st = self.waiting[0]
+            res = self.pool.reserve(self.needs(st))
+            if res is None:
+                break  # the head waits for KV; nobody overtakes it
+            self.waiting.popleft()
+            st.reservation, st.status = res, Status.PREFILL
+            self.running.append(st)
+            plan.admitted.append(st)
+
+        budget = cfg.max_prefill_tokens
+        for st in self.running:
+            if st.status is not Status.PREFILL:
+                continue
+            pos = st.prefilled
+            while pos < st.prompt_len:
+                end = min(st.prompt_len, (pos // cfg.prefill_chunk + 1) * cfg.prefill_chunk)
+                if end - pos > budget and plan.prefill:
+                    break
+                plan.prefill.append((st, pos, end))
+                budget -= end - pos
+                pos = end
+            if budget <= 0:
+                break
+
+        rows = [st for st in self.running if st.status is Status.DECODE]
+        if rows:
+            own = [st.next_own_budget() for st in rows]
+            if cfg.policy == "shared":
+                b = min(own + [st.budgets[-1] for st in rows if st.budgets])
+                budgets = [b] * len(rows)
+            else:
+                budgets = own
+            order = sorted(range(len(rows)), key=lambda r: -budgets[r])  # stable: ties keep arrival order
+            plan.decode = [rows[r] for r in order]
+            plan.budgets = [budgets[r] for r in order]
+            plan.layers = self._layer_rows(plan.decode, plan.budgets)
+        return plan
+
+    def _layer_rows(self, rows: list[RequestState], budgets: list[int]) -> list[tuple[int, list[int] | None]]:
+        L = self.num_layers
+        kinds = {(s.request.schedule.mode, s.request.schedule.warmup_layers) for s in rows}
+        if len(kinds) == 1:  # one (mode, warm-up): each layer's rows are a leading block
+            mode, w = kinds.pop()
+            out = []
+            for l in range(L):
+                if mode == "early_exit":
+                    n = sum(b > l for b in budgets)
+                elif l < w:
+                    n = len(rows)
+                else:
+                    n = sum(b >= L - l + w for b in budgets)
+                out.append((n, None))
+            return out
+        out = []
+        for l in range(L):
+            idx = [r for r, (s, b) in enumerate(zip(rows, budgets)) if s.request.schedule.layer_runs(l, b)]
+            out.append((len(idx), None if idx == list(range(len(idx))) else idx))
+        return out
