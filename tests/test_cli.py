@@ -85,3 +85,54 @@ def test_batched_prompts_match_single_prompts(tiny_cli_dir, capsys):
     for p, o in zip(PROMPTS, batch):
         (alone,) = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--trace", p)
         assert alone["token_ids"] == o["token_ids"]
+
+
+def test_requests_file_replays_arrivals_deterministically(tiny_cli_dir, capsys, tmp_path):
+    """`generate --requests FILE.jsonl`: requests join the running engine at
+    their arrival step; output in input order with the steps they arrived and
+    finished; each one's tokens and layers equal the same request alone."""
+    reqs = [{"prompt": PROMPTS[0], "speedup": 2, "max_new_tokens": 8, "arrive_at_step": 3},
+            {"prompt": PROMPTS[1], "max_new_tokens": 6, "arrive_at_step": 0},
+            {"prompt": "Tell me more.", "schedule": {"max_exit_layer": 6, "min_exit_layer": 2, "horizon": 4},
+             "max_new_tokens": 7, "arrive_at_step": 1}]
+    f = tmp_path / "reqs.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
+    out, _ = run(capsys, "generate", "--model", str(tiny_cli_dir), "--requests", str(f), "--json", "--trace")
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert [o["prompt"] for o in objs] == [r["prompt"] for r in reqs]
+    for r, o in zip(reqs, objs):
+        assert o["arrived_step"] == r["arrive_at_step"]
+        assert o["finished_step"] >= o["arrived_step"] + o["new_tokens"]
+        assert o["new_tokens"] == r["max_new_tokens"]
+        argv = ["--max-new-tokens", str(r["max_new_tokens"]), "--trace"]
+        if "speedup" in r:
+            argv += ["--speedup", str(r["speedup"])]
+        if "schedule" in r:
+            sf = tmp_path / "s.json"
+            sf.write_text(json.dumps(r["schedule"]))
+            argv += ["--schedule", str(sf)]
+        (alone,) = run_json(capsys, tiny_cli_dir, *argv, r["prompt"])
+        assert o["token_ids"] == alone["token_ids"] and o["active_layers"] == alone["active_layers"]
+        assert o["text"] == alone["text"]
+    assert objs[0]["active_layers"][0] != objs[1]["active_layers"][0], "requests ran at different depths"
+    again, _ = run(capsys, "generate", "--model", str(tiny_cli_dir), "--requests", str(f), "--json", "--trace")
+    strip = lambda o: {k: v for k, v in o.items() if k != "seconds"}  # noqa: E731
+    assert [strip(json.loads(x)) for x in again.splitlines()] == [strip(o) for o in objs]
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("{not json", "line 1: not valid JSON"), ('{"speedup": 2}', 'needs a "prompt"'),
+    ('{"prompt": "x", "colour": 1}', "unknown field(s) ['colour']"),
+    ('{"prompt": "x", "arrive_at_step": -1}', "arrive_at_step must be >= 0"),
+    ('{"prompt": "x", "max_new_tokens": "9"}', "'max_new_tokens' has the wrong type"),
+    ('{"prompt": "x", "speedup": 2, "schedule": {"max_exit_layer": 6, "min_exit_layer": 2, "horizon": 4}}',
+     "request 1: give either a target speedup or a schedule"),
+    ('{"prompt": "x"}\n{"prompt": "y", "schedule": {"max_exit_layer": 9, "min_exit_layer": 2, "horizon": 4}}',
+     "request 2: max_exit_layer (9) exceeds the model's 6 layers"),
+])
+def test_bad_requests_file_is_a_one_line_error(tiny_cli_dir, capsys, tmp_path, line, needle):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(line + "\n")
+    assert main(["generate", "--model", str(tiny_cli_dir), "--requests", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("skipdecode: error: ") and err.count("\n") == 1 and needle in err, err

@@ -27,9 +27,68 @@ DEMO_PROMPTS = [
 ]
 
 
+REQUEST_FIELDS = {"prompt": str, "speedup": (int, float), "schedule": dict, "max_new_tokens": int,
+                  "arrive_at_step": int, "mode": str, "temperature": (int, float), "top_k": int,
+                  "top_p": (int, float), "seed": int, "stop": (str, list), "expected_new_tokens": int}
+
+
+def read_requests(path: str, default_new_tokens: int) -> list[dict]:
+    """The requests of a replay file: one JSON object per line (see REQUEST_FIELDS)."""
+    from .engine import EngineError
+
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise EngineError(f"cannot read the requests file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise EngineError(f"the requests file {path} is not UTF-8 text") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EngineError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise EngineError(f"{path} line {n}: expected a JSON object")
+        unknown = set(d) - set(REQUEST_FIELDS)
+        if unknown:
+            raise EngineError(f"{path} line {n}: unknown field(s) {sorted(unknown)}; known: {sorted(REQUEST_FIELDS)}")
+        if "prompt" not in d:
+            raise EngineError(f"{path} line {n}: a request needs a \"prompt\"")
+        for k, t in REQUEST_FIELDS.items():
+            if k in d and (isinstance(d[k], bool) or not isinstance(d[k], t)):
+                raise EngineError(f"{path} line {n}: {k!r} has the wrong type ({type(d[k]).__name__})")
+        if d.get("arrive_at_step", 0) < 0:
+            raise EngineError(f"{path} line {n}: arrive_at_step must be >= 0")
+        d.setdefault("max_new_tokens", default_new_tokens)
+        out.append(d)
+    if not out:
+        raise EngineError(f"{path} holds no requests")
+    return out
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import EngineConfig, EngineError
     from .llm import LLM
 
+    if bool(a.requests) == bool(a.prompt):
+        raise EngineError("give prompts or --requests FILE.jsonl, not both (nor neither)")
+    if a.requests:
+        reqs = read_requests(a.requests, a.max_new_tokens)
+        llm = LLM.load(a.model, dtype=a.dtype)
+        cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_slots, policy=a.policy)
+        for r, o in enumerate(llm.replay(reqs, cfg)):
+            if not a.trace:
+                for k in ("prompt_token_ids", "token_ids", "active_layers"):
+                    o.pop(k)
+            if a.json:
+                print(json.dumps(o, ensure_ascii=False))
+            else:
+                print(f"[{r}: steps {o['arrived_step']}-{o['finished_step']}, {o['new_tokens']} tokens, "
+                      f"decode-layer speedup {o['decode_layer_speedup']:.2f}x, {o['finish_reason']}] {o['text']}")
+        return 0
     llm = LLM.load(a.model, dtype=a.dtype)
     stream = a.stream and not a.json and len(a.prompt) == 1
 
@@ -91,7 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
 
     g = sub.add_parser("generate", help="generate text with a skip schedule")
-    g.add_argument("prompt", nargs="+", help="one or more prompts (batched together)")
+    g.add_argument("prompt", nargs="*", help="one or more prompts (batched together)")
+    g.add_argument("--requests", metavar="FILE.jsonl",
+                   help="replay: one request per line {prompt, speedup or schedule, max_new_tokens, arrive_at_step} "
+                        "on the continuous-batching engine; output in input order with arrived/finished steps")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="with --requests: requests running at once")
+    g.add_argument("--kv-slots", type=int, default=8192, help="with --requests: KV pool slots per layer")
+    g.add_argument("--policy", choices=["per_row", "shared"], default="per_row",
+                   help="with --requests: each request its own budget (per_row) or one layer set per step (shared)")
     g.add_argument("--model", default="default",
                    help="'default', 'default-e2e', a local HF directory, a LoRA adapter directory or a .gguf file")
     s = g.add_mutually_exclusive_group()

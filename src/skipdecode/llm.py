@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -18,6 +19,8 @@ import torch
 
 from .checkpoint import load_model
 from .config import ModelError
+from .engine import Engine, EngineConfig, Request, SamplingParams
+from .errors import SkipDecodeError
 from .generate import GenerationError, Sampling, generate_tokens
 from .tokenization import encode_prompt
 from .model import Transformer
@@ -169,3 +172,51 @@ class LLM:
         return [Completion(p, r.text, pid, r.token_ids, r.active_layers, len(r.token_ids), r.finish_reason,
                            r.decode_layer_speedup, r.seconds)
                 for p, pid, r in zip(prompts, ids, rows)]
+
+    # -- the engine: continuous batching for servers and replays -------------------
+    def engine(self, config: EngineConfig | None = None) -> Engine:
+        """A continuous-batching engine on this model (text, stop strings, EOS)."""
+        return Engine(self.model, config, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids)
+
+    def request(self, engine: Engine, prompt: str | Sequence[int], *, speedup: float | None = None,
+                schedule: SkipSchedule | str | os.PathLike | dict | None = None, max_new_tokens: int = 64,
+                expected_new_tokens: int | None = None, mode: str = "skip", temperature: float = 0.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                stop: str | Sequence[str] = (), chat: bool | None = None, system: str | None = None,
+                ignore_eos: bool = False, request_id: str | None = None) -> Request:
+        """A validated engine request from text (or token ids) and the options of ``generate``."""
+        if isinstance(schedule, dict):
+            schedule = SkipSchedule.from_dict(schedule, self.num_layers)
+        sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
+        ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat, system)
+        return engine.make_request(ids, sched, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
+                                   stop, ignore_eos, request_id)
+
+    def replay(self, requests: Sequence[dict], config: EngineConfig | None = None) -> list[dict]:
+        """Deterministic replay: request ``r`` (the keyword arguments of ``request``
+        plus ``arrive_at_step``) is added when the engine reaches that step.
+        Returns, in input order, each completion's fields with its
+        ``arrived_step`` and ``finished_step``."""
+        eng = self.engine(config)
+        arrivals = sorted(range(len(requests)), key=lambda r: requests[r].get("arrive_at_step", 0))
+        built = {}
+        for r in arrivals:  # validate everything before running anything
+            spec = {k: v for k, v in requests[r].items() if k not in ("arrive_at_step", "prompt")}
+            try:
+                built[r] = self.request(eng, requests[r]["prompt"], request_id=str(r), **spec)
+            except SkipDecodeError as e:
+                raise type(e)(f"request {r + 1}: {e}") from None
+        done: dict[int, dict] = {}
+        nxt = 0
+        t0 = time.perf_counter()
+        while nxt < len(arrivals) or eng.has_unfinished():
+            while nxt < len(arrivals) and requests[arrivals[nxt]].get("arrive_at_step", 0) <= eng.step_count:
+                eng.add(built[arrivals[nxt]])
+                nxt += 1
+            for o in eng.step():
+                if o.finished:
+                    r = int(o.request_id)
+                    c = Completion(requests[r]["prompt"], o.text, o.prompt_token_ids, o.token_ids, o.active_layers,
+                                   len(o.token_ids), o.finish_reason, o.decode_layer_speedup, o.finish_time - t0)
+                    done[r] = dict(c.to_dict(trace=True), arrived_step=o.arrived_step, finished_step=o.finished_step)
+        return [done[r] for r in range(len(requests))]

@@ -90,13 +90,11 @@ class Scheduler:
                 f"request {st.request_id!r} needs {needs[worst]} KV slots at layer {worst} "
                 f"({st.prompt_len} prompt tokens + up to {st.request.max_new_tokens - 1} fed back) but the pool "
                 f"holds {self.pool.capacities[worst]}: shorten the prompt, lower max_new_tokens or enlarge the pool")
-        if self.config.policy == "shared" and self.running + list(self.waiting):
-            ref = (self.running + list(self.waiting))[0].request.schedule
-            s = st.request.schedule
-            if (s.mode, s.warmup_layers if s.mode == "skip" else 0) != \
-                    (ref.mode, ref.warmup_layers if ref.mode == "skip" else 0):
-                raise EngineError("the shared policy runs one layer set per step: every request needs the same "
-                                  "mode and warm-up layers; use the per_row policy to mix them")
+        if self.config.policy == "shared" and _skips(st):
+            kinds = {_kind(o.request.schedule) for o in self.running + list(self.waiting) if _skips(o)}
+            if kinds and kinds != {_kind(st.request.schedule)}:
+                raise EngineError("the shared policy runs one layer set per step: every request that skips needs "
+                                  "the same mode and warm-up layers; use the per_row policy to mix them")
 
     def add(self, st: RequestState) -> None:
         self.check_fits(st)
@@ -147,34 +145,50 @@ class Scheduler:
         rows = [st for st in self.running if st.status is Status.DECODE]
         if rows:
             own = [st.next_own_budget() for st in rows]
+            kinds = [_kind(st.request.schedule) for st in rows]
             if cfg.policy == "shared":
                 b = min(own + [st.budgets[-1] for st in rows if st.budgets])
                 budgets = [b] * len(rows)
+                shared = next((_kind(st.request.schedule) for st in rows if _skips(st)), ("skip", 0))
+                kinds = [shared] * len(rows)
+                for st in rows:  # a full-depth request runs the shared layer sets
+                    st.layer_mode = (shared[1], shared[0])
             else:
                 budgets = own
             order = sorted(range(len(rows)), key=lambda r: -budgets[r])  # stable: ties keep arrival order
             plan.decode = [rows[r] for r in order]
             plan.budgets = [budgets[r] for r in order]
-            plan.layers = self._layer_rows(plan.decode, plan.budgets)
+            plan.layers = self._layer_rows(plan.budgets, [kinds[r] for r in order])
         return plan
 
-    def _layer_rows(self, rows: list[RequestState], budgets: list[int]) -> list[tuple[int, list[int] | None]]:
+    def _layer_rows(self, budgets: list[int], kinds: list[tuple[str, int]]) -> list[tuple[int, list[int] | None]]:
         L = self.num_layers
-        kinds = {(s.request.schedule.mode, s.request.schedule.warmup_layers) for s in rows}
-        if len(kinds) == 1:  # one (mode, warm-up): each layer's rows are a leading block
-            mode, w = kinds.pop()
+        partial = {k for k, b in zip(kinds, budgets) if b < L}  # a full-depth row runs every layer, whatever its kind
+        if len(partial) <= 1:  # one (mode, warm-up): each layer's rows are a leading block
+            mode, w = partial.pop() if partial else ("skip", 0)
             out = []
             for l in range(L):
                 if mode == "early_exit":
                     n = sum(b > l for b in budgets)
                 elif l < w:
-                    n = len(rows)
+                    n = len(budgets)
                 else:
                     n = sum(b >= L - l + w for b in budgets)
                 out.append((n, None))
             return out
         out = []
         for l in range(L):
-            idx = [r for r, (s, b) in enumerate(zip(rows, budgets)) if s.request.schedule.layer_runs(l, b)]
+            idx = [r for r, ((mode, w), b) in enumerate(zip(kinds, budgets))
+                   if (l < b if mode == "early_exit" else (l < w or l >= L - (b - w)))]
             out.append((len(idx), None if idx == list(range(len(idx))) else idx))
         return out
+
+
+def _kind(s) -> tuple[str, int]:
+    """(mode, warm-up layers) of a schedule: what, with a budget, fixes a layer set."""
+    return s.mode, (s.warmup_layers if s.mode == "skip" else 0)
+
+
+def _skips(st: RequestState) -> bool:
+    s = st.request.schedule
+    return s.min_exit_layer < s.num_layers

@@ -1,0 +1,260 @@
+"""The serving engine: continuous batching where every request keeps its own
+monotone schedule. Requests arriving at any step, with any prompt length and
+any speedup, get exactly the tokens and layers they get alone, and exactly
+what the naive recompute-everything reference gives; KV is admitted against
+capacity, freed at once, and a request that can never fit is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from conftest import build_tiny, _LLAMA
+from skipdecode.checkpoint import load_model
+from skipdecode.engine import AsyncEngine, Engine, EngineConfig, EngineError, SamplingParams, layer_needs
+from skipdecode.reference import naive_generate
+from skipdecode.schedule import SkipSchedule
+
+L = 10  # 10 layers, one warm-up: 1x..5x are all reachable
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A tiny 10-layer Llama with a 512-token context: (reference model, packed model)."""
+    d = tmp_path_factory.mktemp("deep") / "llama"
+    build_tiny("llama", d, seed=7, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
+                                           tie_word_embeddings=False))
+    return load_model(d)[0], load_model(d)[0].pack_for_inference()
+
+
+def _sched(speedup: float, new: int) -> SkipSchedule:
+    return SkipSchedule.full_depth(L) if speedup == 1 else SkipSchedule.for_speedup(speedup, new, L)
+
+
+def _alone(model, prompt, sched, new, sampling=None) -> tuple[list[int], list[list[int]]]:
+    eng = Engine(model, EngineConfig(kv_slots=1024))
+    eng.add_request(prompt, schedule=sched, max_new_tokens=new, sampling=sampling)
+    (out,) = eng.run()
+    return out.token_ids, out.active_layers
+
+
+def _drive(eng: Engine, arrivals: dict[int, list[dict]], plans: list | None = None) -> dict[str, object]:
+    """Add each request at its step, step until all finish; final outputs by id."""
+    done = {}
+    if plans is not None:
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
+    while any(s >= eng.step_count for s in arrivals) or eng.has_unfinished():
+        for spec in arrivals.get(eng.step_count, []):
+            eng.add_request(**spec)
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        assert eng.pool.used_slots <= sum(eng.pool.capacities)
+        assert eng.num_running <= eng.config.max_num_seqs
+    return done
+
+
+def test_random_arrivals_match_each_request_alone_and_the_naive_reference(deep):
+    ref, model = deep
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    arrivals: dict[int, list[dict]] = {}
+    specs = {}
+    for r in range(12):
+        n = rng.choice([1, 2, 17, 64, 129, 200, 300]) if r < 7 else rng.randint(1, 300)
+        new = rng.randint(3, 9)
+        sp = rng.choice([1, 2, 3, 4, 5])
+        spec = dict(prompt_token_ids=torch.randint(3, VOCAB, (n,), generator=g).tolist(), schedule=_sched(sp, new),
+                    max_new_tokens=new, request_id=f"r{r}")
+        specs[f"r{r}"] = spec
+        arrivals.setdefault(rng.randint(0, 20), []).append(spec)
+    # a small pool and a small prefill budget: requests queue for KV, prompts run in chunks
+    eng = Engine(model, EngineConfig(max_num_seqs=5, max_prefill_tokens=64, prefill_chunk=32, kv_slots=900))
+    plans: list = []
+    done = _drive(eng, arrivals, plans)
+
+    assert sorted(done) == sorted(specs)
+    assert any(len(set(p.budgets)) > 1 for p in plans), "rows at different budgets shared a step"
+    assert any(p.prefill and p.decode for p in plans), "prompt chunks ran beside decode steps"
+    assert max(len(p.decode) for p in plans) > 1
+    for rid, spec in specs.items():
+        out, sched, new = done[rid], spec["schedule"], spec["max_new_tokens"]
+        alone_tokens, alone_layers = _alone(model, spec["prompt_token_ids"], sched, new)
+        assert out.token_ids == alone_tokens, rid
+        assert out.active_layers == alone_layers, rid
+        assert out.token_ids == naive_generate(ref, spec["prompt_token_ids"], sched, new), rid
+        n = len(out.token_ids)
+        assert out.active_layers == [sched.layers(i) for i in range(n - 1)] + [[]]
+        for a, b in zip(out.active_layers, out.active_layers[1:-1]):
+            assert set(b) <= set(a), "a request's layer sets are nested: its budget never grows"
+        assert out.finished_step > out.arrived_step
+    assert eng.pool.used_slots == 0
+
+
+def test_prompt_chunks_stay_within_the_token_budget_and_running_requests_keep_decoding(deep):
+    _, model = deep
+    eng = Engine(model, EngineConfig(max_prefill_tokens=48, prefill_chunk=16, kv_slots=1024))
+    eng.add_request([5, 6, 7], max_new_tokens=30, request_id="short")
+    eng.step()  # its prompt
+    eng.add_request(list(range(3, 253)), max_new_tokens=4, request_id="long")  # 250 prompt tokens
+    plans: list = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
+    got_token = []
+    while eng.has_unfinished():
+        got_token.append(any(o.request_id == "short" for o in eng.step()))
+    chunks = [sum(e - s for _, s, e in p.prefill) for p in plans]
+    assert max(chunks) <= 48 and sum(chunks) == 250
+    assert sum(c > 0 for c in chunks) >= 250 // 48, "the long prompt is spread over several steps"
+    assert all(s % 16 == 0 for p in plans for _, s, _ in p.prefill), "chunk boundaries are fixed"
+    prefill_steps = [i for i, c in enumerate(chunks) if c]
+    assert all(got_token[i] for i in prefill_steps), "the running request got a token in every prefill step"
+
+
+def test_each_layer_runs_on_exactly_the_rows_whose_layer_set_holds_it(deep):
+    """Per-row policy: a step's layer work is the sum of the rows' budgets, not
+    the maximum; each layer sees exactly the rows that run it."""
+    _, model = deep
+    ran: list[int] = []
+    for l, blk in enumerate(model.layers):
+        blk.decode = (lambda f: lambda x, *a, **k: ran.append(x.shape[0]) or f(x, *a, **k))(blk.decode)
+    try:
+        eng = Engine(model, EngineConfig(kv_slots=512))
+        for r, sp in enumerate([1, 2, 3, 5]):
+            eng.add_request([9 + r] * 5, schedule=_sched(sp, 8), max_new_tokens=8, request_id=str(r))
+        plans: list = []
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
+        per_step = []
+        while eng.has_unfinished():
+            ran.clear()
+            eng.step()
+            per_step.append(sum(ran))
+    finally:
+        for blk in model.layers:
+            del blk.decode
+    for p, work in zip(plans, per_step):
+        if p.decode:
+            assert work == sum(p.budgets)
+    assert any(p.decode and sum(p.budgets) < len(p.budgets) * max(p.budgets) for p in plans)
+
+
+def test_shared_policy_runs_one_layer_set_per_step_and_never_raises_a_budget(deep):
+    _, model = deep
+    eng = Engine(model, EngineConfig(kv_slots=512, policy="shared"))
+    arrivals = {0: [dict(prompt_token_ids=[4, 5, 6], schedule=_sched(1, 10), max_new_tokens=10, request_id="a")],
+                3: [dict(prompt_token_ids=[7, 8], schedule=_sched(4, 10), max_new_tokens=4, request_id="b")]}
+    plans: list = []
+    done = _drive(eng, arrivals, plans)
+    assert all(len(set(p.budgets)) <= 1 for p in plans)
+    for o in done.values():
+        sizes = [len(a) for a in o.active_layers[:-1]]
+        assert sizes == sorted(sizes, reverse=True), "a request's budget never increases"
+    a_sizes = [len(x) for x in done["a"].active_layers[:-1]]
+    assert min(a_sizes) < L, "the full-depth request was pulled down by its shallower batch-mate"
+    eng.add_request([1], schedule=SkipSchedule(L, L, 2, horizon=4, mode="early_exit"), max_new_tokens=4)
+    with pytest.raises(EngineError, match="same mode and warm-up"):
+        eng.add_request([1], schedule=SkipSchedule(L, L, 3, horizon=4, warmup_layers=2), max_new_tokens=4)
+
+
+def test_a_seeded_sampled_request_does_not_depend_on_batch_mates_or_arrival(deep):
+    _, model = deep
+    s = SamplingParams(temperature=1.0, top_k=40, seed=7)
+    sched = _sched(3, 12)
+    prompt = list(range(20, 60))
+    alone, _ = _alone(model, prompt, sched, 12, s)
+    eng = Engine(model, EngineConfig(kv_slots=1024, max_prefill_tokens=32, prefill_chunk=16))
+    arrivals = {0: [dict(prompt_token_ids=[3] * 50, max_new_tokens=20, request_id="g"),
+                    dict(prompt_token_ids=[4] * 9, schedule=_sched(2, 12), max_new_tokens=15, request_id="s",
+                         sampling=SamplingParams(temperature=0.8, seed=1))],
+                5: [dict(prompt_token_ids=prompt, schedule=sched, max_new_tokens=12, sampling=s, request_id="x")]}
+    done = _drive(eng, arrivals)
+    assert done["x"].token_ids == alone
+    assert alone != _alone(model, prompt, sched, 12, SamplingParams(temperature=1.0, top_k=40, seed=8))[0]
+
+
+def test_abort_frees_kv_at_once_and_the_others_go_on(deep):
+    _, model = deep
+    eng = Engine(model, EngineConfig(kv_slots=512))
+    specs = [dict(prompt_token_ids=[3 + r] * (4 + r), schedule=_sched(1 + r, 10), max_new_tokens=10,
+                  request_id=str(r)) for r in range(3)]
+    for s in specs:
+        eng.add_request(**s)
+    for _ in range(3):
+        eng.step()
+    used = eng.pool.used_slots
+    out = eng.abort("1")
+    assert out.finished and out.finish_reason == "abort"
+    assert eng.pool.used_slots == used - sum(layer_needs(specs[1]["schedule"], 5, 10))
+    assert eng.abort("1") is None
+    done = eng.run()
+    assert sorted(o.request_id for o in done) == ["0", "2"]
+    for o in done:
+        s = specs[int(o.request_id)]
+        assert o.token_ids == _alone(model, s["prompt_token_ids"], s["schedule"], 10)[0]
+    assert eng.pool.used_slots == 0
+
+
+def test_admission_waits_for_kv_and_a_request_that_never_fits_is_refused(deep):
+    _, model = deep
+    need = layer_needs(SkipSchedule.full_depth(L), 20, 10)[0]  # 29 slots at every layer
+    eng = Engine(model, EngineConfig(kv_slots=need + 5))  # room for one such request at a time
+    eng.add_request([5] * 20, max_new_tokens=10, request_id="a")
+    eng.add_request([6] * 20, max_new_tokens=10, request_id="b")
+    eng.step()
+    assert eng.num_running == 1 and eng.num_waiting == 1
+    done = eng.run()
+    assert [o.request_id for o in done] == ["a", "b"]
+    assert done[1].arrived_step == 0 and done[1].finished_step > done[0].finished_step
+    with pytest.raises(EngineError, match=r"needs 35 KV slots at layer \d+ .* the pool holds 34"):
+        eng.add_request([5] * 26, max_new_tokens=10)
+    with pytest.raises(EngineError, match="the model's context is 512"):
+        eng.add_request([5] * 510, max_new_tokens=10)
+    for bad, msg in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(prompt_token_ids=[]), "empty"),
+                     (dict(prompt_token_ids=[VOCAB + 5]), "token ids"), (dict(stop=["x"]), "tokenizer"),
+                     (dict(schedule=SkipSchedule.full_depth(3)), "3 layers")]:
+        kw = dict(prompt_token_ids=[5], max_new_tokens=4) | bad
+        with pytest.raises(EngineError, match=msg):
+            eng.add_request(**kw)
+    assert not eng.has_unfinished()
+
+
+def test_async_engine_streams_and_a_consumer_that_leaves_aborts_its_request(deep):
+    _, model = deep
+    eng = Engine(model, EngineConfig(kv_slots=512))
+    want, _ = _alone(model, [5, 6, 7], _sched(2, 12), 12)
+
+    async def main():
+        aeng = AsyncEngine(eng)
+        try:
+            async def full():
+                toks = []
+                async for o in aeng.generate(eng.make_request([5, 6, 7], schedule=_sched(2, 12), max_new_tokens=12)):
+                    toks += o.new_token_ids
+                return toks
+
+            async def leaves_early():
+                n = 0
+                async for _ in aeng.generate(eng.make_request([9] * 30, max_new_tokens=200)):
+                    n += 1
+                    if n == 3:
+                        break
+                return n
+
+            got, n = await asyncio.gather(full(), leaves_early())
+            for _ in range(200):  # the abort reaches the loop thread
+                if not eng.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            return got, n
+        finally:
+            aeng.shutdown()
+
+    got, n = asyncio.run(main())
+    assert got == want and n == 3
+    assert not eng.has_unfinished() and eng.pool.used_slots == 0
