@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench bench-quick
+.PHONY: setup demo test bench bench-quick bench-engine
 
 setup: $(STAMP)
 
@@ -29,3 +29,6 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/skipdecode bench --quick
+
+bench-engine: setup  ## the serving engine under Poisson arrivals: benchmarks/results/engine.{json,md,png}
+	$(BIN)/skipdecode bench --engine

@@ -258,3 +258,49 @@ def test_async_engine_streams_and_a_consumer_that_leaves_aborts_its_request(deep
     got, n = asyncio.run(main())
     assert got == want and n == 3
     assert not eng.has_unfinished() and eng.pool.used_slots == 0
+
+
+def test_a_cached_prompt_prefix_is_copied_not_recomputed_and_changes_nothing(deep):
+    """Requests sharing a 40-token preamble: later ones copy its keys/values
+    (two blocks of 16) instead of computing them, and still produce exactly the
+    tokens they produce alone (no cache) and the naive reference's."""
+    ref, model = deep
+    g = torch.Generator().manual_seed(3)
+    pre = torch.randint(3, VOCAB, (40,), generator=g).tolist()
+    prompts = [pre + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (5, 1, 30)]
+    scheds = [_sched(1, 8), _sched(3, 8), _sched(2, 8)]
+    eng = Engine(model, EngineConfig(kv_slots=1024))
+    arrivals = {2 * r: [dict(prompt_token_ids=p, schedule=s, max_new_tokens=8, request_id=str(r))]
+                for r, (p, s) in enumerate(zip(prompts, scheds))}
+    done = _drive(eng, arrivals)
+    assert eng.counters["prompt_tokens_cached"] == 2 * 32
+    assert eng.counters["prompt_tokens_computed"] == sum(map(len, prompts)) - 2 * 32
+    for r, (p, s) in enumerate(zip(prompts, scheds)):
+        assert done[str(r)].token_ids == _alone(model, p, s, 8)[0] == naive_generate(ref, p, s, 8)
+    # a prompt that is all cached still computes its last token (it gives the first new token)
+    eng.add_request(pre[:32] + [7], max_new_tokens=3, request_id="x")
+    eng.add_request(pre[:32], max_new_tokens=3, request_id="y")
+    out = {o.request_id: o for o in eng.run()}
+    assert out["y"].token_ids == _alone(model, pre[:32], _sched(1, 3), 3)[0]
+    small = Engine(model, EngineConfig(kv_slots=1024, prefix_cache_blocks=1))
+    small.add_request(pre, max_new_tokens=2)
+    small.run()
+    assert len(small.prefix_cache) == 1, "the cache never holds more blocks than it may"
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=5e-324), dict(temperature=1e-300), dict(temperature=1e-6),
+                                dict(temperature=1.0, top_p=5e-324), dict(temperature=1.0, top_p=1e-9)])
+def test_vanishing_temperature_or_top_p_is_greedy_not_a_crash(deep, kw):
+    _, model = deep
+    greedy, _ = _alone(model, [5, 6], _sched(2, 6), 6)
+    got, _ = _alone(model, [5, 6], _sched(2, 6), 6, SamplingParams(seed=0, **kw))
+    assert got == greedy
+
+
+def test_sampling_is_finite_for_huge_logits():
+    from skipdecode.engine.sampler import sample
+
+    logits = torch.tensor([[3e38, -3e38, 3e38, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample(logits, SamplingParams(temperature=0.5, seed=0), [g])) for _ in range(50)}
+    assert picks <= {0, 2} and picks

@@ -33,9 +33,9 @@ def test_shipped_adapter_is_compact_and_portable():
 
 
 def test_default_e2e_is_merged_once(tuned, monkeypatch):
-    import skipdecode.train
+    import skipdecode.lora
 
-    monkeypatch.setattr(skipdecode.train, "merge_lora", lambda *a, **k: pytest.fail("merged a second time"))
+    monkeypatch.setattr(skipdecode.lora, "merge_lora", lambda *a, **k: pytest.fail("merged a second time"))
     assert resolve("default-e2e") == tuned.path
 
 

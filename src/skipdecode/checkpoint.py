@@ -91,7 +91,7 @@ def merge_adapter(adapter: Path, out: Path) -> Path:
     """Merge a LoRA adapter into its base once; the directory appears atomically."""
     if (out / "config.json").is_file():
         return out
-    from .train import merge_lora  # peft is only needed here
+    from .lora import merge_lora  # peft is only needed here
 
     return _build_dir_atomically(out, lambda tmp: merge_lora(adapter, tmp))
 

@@ -137,10 +137,39 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.engine:
+        from .bench.engine import run_engine_bench
+
+        run_engine_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick, out_dir=a.out_dir)
+        return 0
     from .bench import run_bench
 
     run_bench(model=a.model, quick=a.quick, out_dir=a.out_dir, batch_sizes=a.batch_sizes,
               speedups=a.speedups, new_tokens=a.new_tokens, with_transformers=not a.no_transformers)
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from .engine import EngineConfig
+    from .server import ServerConfig, serve
+
+    cfg = ServerConfig(
+        model=a.model, served_model_name=a.served_model_name, max_queue=a.max_queue,
+        default_speedup=a.default_speedup, default_max_tokens=a.default_max_tokens,
+        api_key=a.api_key or os.environ.get("SKIPDECODE_API_KEY") or None, dtype=a.dtype,
+        engine=EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_tokens, max_prefill_tokens=a.max_prefill_tokens,
+                            policy=a.policy))
+    if a.max_queue < 0:
+        from .engine import EngineError
+
+        raise EngineError(f"--max-queue must be >= 0, got {a.max_queue}")
+    if a.default_speedup is not None and a.default_speedup < 1:
+        from .engine import EngineError
+
+        raise EngineError(f"--default-speedup must be >= 1, got {a.default_speedup}")
+    serve(cfg, host=a.host, port=a.port, grace=a.grace, log_level=a.log_level)
     return 0
 
 
@@ -198,7 +227,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speedups", type=parse_speedups, default=None)
     b.add_argument("--new-tokens", type=int, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--engine", action="store_true",
+                   help="the serving engine under Poisson arrivals (default model: default-e2e); "
+                        "writes benchmarks/results/engine.{json,md,png}")
     b.set_defaults(func=cmd_bench)
+    v = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming) on the engine")
+    v.add_argument("--model", default="default-e2e")
+    v.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--max-num-seqs", type=int, default=32, help="requests decoding at once")
+    v.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; then 429")
+    v.add_argument("--kv-tokens", type=int, default=8192, help="KV pool slots per layer")
+    v.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt tokens per engine step")
+    v.add_argument("--policy", choices=["per_row", "shared"], default="per_row")
+    v.add_argument("--default-speedup", type=float, default=None,
+                   help="for requests that give neither speedup nor schedule (default: full depth)")
+    v.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument("--grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    v.set_defaults(func=cmd_serve)
     from .evaluate import add_evaluate_cli
     from .train import add_train_cli
 

@@ -70,10 +70,10 @@ from .checkpoint import DEFAULT_MODEL, load_model, save_hf_model
 from .config import ModelError
 from .data import DataError, TaskData, encode_example, load_task
 from .errors import SkipDecodeError
+from .lora import LORA_TARGETS, apply_lora, merge_lora, merge_peft_model, save_adapter  # noqa: F401
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, ScheduleError, SkipSchedule
 
-LORA_TARGETS = ["wqkv", "wo", "w13", "w2"]  # our fused Linear names in every Block
 IGNORE = -100
 LOG_NAME = "train_log.jsonl"
 CKPT_DIR = "checkpoints"
@@ -295,12 +295,7 @@ def prepare_model(net: Transformer, cfg: TrainConfig) -> nn.Module:
     net.train()
     if not cfg.lora:
         return net.requires_grad_(True)
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(cfg.seed)  # adapter initialization
-    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(LORA_TARGETS), bias="none")
-    return get_peft_model(net, lcfg)
+    return apply_lora(net, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.seed)
 
 
 def base_transformer(model: nn.Module) -> Transformer:
@@ -781,45 +776,6 @@ def _rank_divergence(model: nn.Module) -> float:
             worst = torch.maximum(worst, (p.detach() - ref).abs().max().double().reshape(1))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
-
-
-# -- LoRA output -------------------------------------------------------------------------------------
-def save_adapter(model: nn.Module, base_path: Path | str, out: Path, meta: dict, tokenizer: Any = None) -> Path:
-    """PEFT format (adapter_config.json + adapter_model.safetensors) over our module names."""
-    out.mkdir(parents=True, exist_ok=True)
-    for c in model.peft_config.values():
-        c.base_model_name_or_path = str(base_path)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    (out / "skipdecode.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
-
-
-def merge_peft_model(model: nn.Module) -> Transformer:
-    """Fold the LoRA deltas into the base weights (the peft model is consumed)."""
-    merged = model.merge_and_unload()
-    assert isinstance(merged, Transformer)
-    return merged.eval().requires_grad_(False)
-
-
-def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-               base_model: str | None = None) -> Path:
-    """Merge a saved LoRA adapter into its base model and write a full Hugging Face directory."""
-    from peft import PeftModel
-
-    adapter = Path(adapter_dir)
-    cfg_file = adapter / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise TrainError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
-    base = base_model or json.loads(cfg_file.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise TrainError(f"{cfg_file} names no base model: pass base_model")
-    net, path = load_model(base)
-    model = PeftModel.from_pretrained(net, str(adapter))
-    meta_file = adapter / "skipdecode.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    return save_hf_model(merge_peft_model(model), path, Path(out_dir) if out_dir else adapter / "merged", meta)
 
 
 # -- command line --------------------------------------------------------------------------------------

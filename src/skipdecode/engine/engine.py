@@ -22,6 +22,7 @@ import torch
 from ..model import Transformer
 from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
+from .prefix_cache import PrefixCache
 from .request import EngineError, Request, RequestOutput, RequestState, SamplingParams, Status
 from .runner import ModelRunner
 from .sampler import sample_rows
@@ -31,6 +32,7 @@ from .scheduler import Scheduler, SchedulerConfig
 @dataclass
 class EngineConfig(SchedulerConfig):
     kv_slots: int | list[int] = 8192  # KV pool slots per layer (one int for every layer, or a list)
+    prefix_cache_blocks: int = 256  # blocks of 16 prompt tokens whose keys/values are reused (0: off)
 
 
 class Engine:
@@ -45,13 +47,19 @@ class Engine:
             raise EngineError(f"kv_slots must be an integer >= 1 or {L} of them (one per layer), got {slots!r}")
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(caps, cfg.n_kv_heads, cfg.head_dim, dtype)
-        self.scheduler = Scheduler(self.config, self.pool, L)
+        pcb = self.config.prefix_cache_blocks
+        if isinstance(pcb, bool) or not isinstance(pcb, int) or pcb < 0:
+            raise EngineError(f"prefix_cache_blocks must be an integer >= 0, got {pcb!r}")
+        self.prefix_cache = PrefixCache(pcb) if pcb else None
+        self.scheduler = Scheduler(self.config, self.pool, L,
+                                   prefix_lookup=self.prefix_cache.match if self.prefix_cache is not None else None)
         self.runner = ModelRunner(model, self.pool)
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0,
+        self.counters = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "generated_tokens": 0,
+                         "decode_steps": 0, "decode_rows": 0, "decode_layers": 0,
                          "prefill_seconds": 0.0, "decode_seconds": 0.0}
         self._ids = itertools.count()
 
@@ -61,7 +69,8 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------
     def make_request(self, prompt_token_ids: Sequence[int], schedule: SkipSchedule | None = None,
-                     max_new_tokens: int = 64, sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                     max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                     stop: str | Sequence[str] | None = (),
                      ignore_eos: bool = False, request_id: str | None = None) -> Request:
         """A validated request (raises ``EngineError`` saying what is wrong)."""
         L = self.num_layers
@@ -84,8 +93,12 @@ class Engine:
                 f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
                 f"{len(ids) + max_new_tokens - 1} positions but the model's context is {ctx}: "
                 "shorten the prompt or lower max_new_tokens")
+        if stop is None:
+            stop = ()
         if isinstance(stop, str):
             stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise EngineError("stop must be a string or a list of strings")
         stop = tuple(s for s in stop if s)
         if any(not isinstance(s, str) for s in stop):
             raise EngineError("stop must be a string or a list of strings")
@@ -142,20 +155,29 @@ class Engine:
             return []
         ready: list[tuple[RequestState, torch.Tensor]] = []  # (request, logits of its next token)
         t0 = time.perf_counter()
+        for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
+            self.counters["prompt_tokens_cached"] += st.cached_prefix
+            self.prefix_cache.load(st.request.prompt_token_ids, st.cached_prefix, self.pool.k, self.pool.v,
+                                   st.reservation.starts)
         if plan.decode:
             logits = self.runner.decode(plan)
             for st, b, row in zip(plan.decode, plan.budgets, logits):
                 st.budgets.append(b)
                 ready.append((st, row))
             self.counters["decode_steps"] += 1
+            self.counters["decode_rows"] += len(plan.decode)
+            self.counters["decode_layers"] += sum(n for n, _ in plan.layers)
         t1 = time.perf_counter()
         for st, start, end in plan.prefill:
             last = self.runner.prefill(st, start, end)
             st.prefilled = end
-            self.counters["prompt_tokens"] += end - start
+            self.counters["prompt_tokens_computed"] += end - start
             if last is not None:
                 st.status = Status.DECODE
                 ready.append((st, last))
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(st.request.prompt_token_ids, self.pool.k, self.pool.v,
+                                            st.reservation.starts)
         t2 = time.perf_counter()
         self.counters["decode_seconds"] += t1 - t0
         self.counters["prefill_seconds"] += t2 - t1

@@ -16,11 +16,12 @@ class EngineError(SkipDecodeError):
 
 
 FINISH_REASONS = ("length", "eos", "stop", "abort")
+GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when ``temperature == 0`` (the default). A sampled request draws
+    """Greedy when ``temperature`` is 0 (the default) or below 1e-5. A sampled request draws
     from its own generator seeded ``seed``, so its tokens do not depend on its
     batch-mates or on when it arrived."""
 
@@ -46,7 +47,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 are greedy: dividing logits by them overflows."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class RequestState:
     status: Status = Status.WAITING
     reservation: object | None = None  # kv_cache.Reservation while KV is held
     prefilled: int = 0  # prompt tokens whose keys/values are written
+    cached_prefix: int | None = None  # prompt tokens copied from the prefix cache (None: not looked up yet)
     token_ids: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)  # budgets[i]: layers generated token i ran when fed back
     layer_mode: tuple[int, str] = (1, "skip")  # (warm-up layers, mode) of the layer sets it ran

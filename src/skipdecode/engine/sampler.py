@@ -12,7 +12,8 @@ from .request import SamplingParams
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
     """Temperature-scaled logits ``(n, vocab)`` with everything outside top-k / top-p at -inf."""
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature  # the top logit is 0: no overflow
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -20,6 +21,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, t
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest set reaching top_p
+        drop[..., 0] = False  # and always the most likely token (a tiny top_p rounds to 0 in float32)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     return logits

@@ -6,7 +6,8 @@ step it
 1. admits waiting requests first come, first served, while the number of
    running requests and the KV pool allow (a request's KV is reserved whole at
    admission, so a running request never runs out);
-2. plans prompt chunks at full depth up to a token budget per step, so the
+2. plans prompt chunks at full depth up to a token budget per step (a
+   prefix whose keys/values are cached is skipped), so the
    time per output token of running requests stays bounded while long prompts
    arrive; chunk boundaries are fixed multiples of ``prefill_chunk`` from the
    prompt's start, so a prompt's numerics never depend on its batch-mates;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from .kv_cache import KVPool, layer_needs
 from .request import EngineError, RequestState, Status
@@ -59,6 +61,7 @@ class StepPlan:
 
     step: int
     admitted: list[RequestState] = field(default_factory=list)
+    cached: list[RequestState] = field(default_factory=list)  # prompt prefixes to copy from the prefix cache
     prefill: list[tuple[RequestState, int, int]] = field(default_factory=list)  # (request, start, end)
     decode: list[RequestState] = field(default_factory=list)  # deepest budget first
     budgets: list[int] = field(default_factory=list)  # per decode row
@@ -71,8 +74,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, num_layers: int):
+    def __init__(self, config: SchedulerConfig, pool: KVPool, num_layers: int,
+                 prefix_lookup: Callable[[Sequence[int]], int] | None = None):
+        """``prefix_lookup(prompt)``: how many leading prompt tokens already have
+        keys/values to copy (the prefix cache); they are not prefilled."""
         self.config, self.pool, self.num_layers = config, pool, num_layers
+        self.prefix_lookup = prefix_lookup
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
 
@@ -131,6 +138,11 @@ class Scheduler:
         for st in self.running:
             if st.status is not Status.PREFILL:
                 continue
+            if st.cached_prefix is None:  # looked up when its prompt starts, so it sees every prompt done before
+                st.cached_prefix = self.prefix_lookup(st.request.prompt_token_ids) if self.prefix_lookup else 0
+                st.prefilled = st.cached_prefix
+                if st.cached_prefix:
+                    plan.cached.append(st)
             pos = st.prefilled
             while pos < st.prompt_len:
                 end = min(st.prompt_len, (pos // cfg.prefill_chunk + 1) * cfg.prefill_chunk)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .generate import generate_tokens
-from .llm import LLM
-from .schedule import SkipSchedule
+from .. import __version__
+from ..generate import generate_tokens
+from ..llm import LLM
+from ..schedule import SkipSchedule
 
 ATTRS = [
     "name[The Eagle], eatType[coffee shop], food[Japanese], priceRange[less than £20], area[riverside]",

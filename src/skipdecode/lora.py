@@ -1,0 +1,70 @@
+"""LoRA adapters on our own module names, via peft: apply, save, merge.
+
+Loading a model (``checkpoint.py``) merges a saved adapter through here, so
+loading never imports the trainer; the trainer applies and saves adapters
+through here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ModelError
+from .model import Transformer
+
+LORA_TARGETS = ["wqkv", "wo", "w13", "w2"]  # our fused Linear names in every Block
+
+
+def apply_lora(net: Transformer, r: int, alpha: int, dropout: float, seed: int) -> nn.Module:
+    """A peft model whose only trainable parameters are LoRA adapters on every block linear."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # adapter initialization
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS), bias="none")
+    return get_peft_model(net, cfg)
+
+
+def save_adapter(model: nn.Module, base_path: Path | str, out: Path, meta: dict, tokenizer: Any = None) -> Path:
+    """PEFT format (adapter_config.json + adapter_model.safetensors) over our module names."""
+    out.mkdir(parents=True, exist_ok=True)
+    for c in model.peft_config.values():
+        c.base_model_name_or_path = str(base_path)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "skipdecode.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def merge_peft_model(model: nn.Module) -> Transformer:
+    """Fold the LoRA deltas into the base weights (the peft model is consumed)."""
+    merged = model.merge_and_unload()
+    assert isinstance(merged, Transformer)
+    return merged.eval().requires_grad_(False)
+
+
+def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+               base_model: str | None = None) -> Path:
+    """Merge a saved LoRA adapter into its base model and write a full Hugging Face directory."""
+    from peft import PeftModel
+
+    from .checkpoint import load_model, save_hf_model
+
+    adapter = Path(adapter_dir)
+    cfg_file = adapter / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise ModelError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
+    base = base_model or json.loads(cfg_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ModelError(f"{cfg_file} names no base model: pass base_model")
+    net, path = load_model(base)
+    model = PeftModel.from_pretrained(net, str(adapter))
+    meta_file = adapter / "skipdecode.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    return save_hf_model(merge_peft_model(model), path, Path(out_dir) if out_dir else adapter / "merged", meta)

@@ -1,0 +1,379 @@
+"""The OpenAI-compatible HTTP server: translates HTTP into engine requests.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
+server-sent events, ``stream_options.include_usage``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus). The model loads in a thread
+after the server starts, so ``/health`` and every route answer 503 until it
+is ready instead of refusing connections. The engine loop runs in its own
+thread (``AsyncEngine``); a client that disconnects aborts its request and
+frees its KV. Every error has OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..engine import AsyncEngine, EngineConfig, EngineError, RequestOutput
+from ..errors import SkipDecodeError
+from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+@dataclass
+class ServerConfig:
+    model: str = "default"
+    served_model_name: str | None = None  # the name clients send; default: the --model argument
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
+    default_speedup: float | None = None  # when a request gives neither speedup nor schedule
+    default_max_tokens: int = 256  # chat completions without max_tokens
+    api_key: str | None = None
+    dtype: str = "float32"
+
+
+class Metrics:
+    def __init__(self, state: "ServerState"):
+        self.registry = r = CollectorRegistry()
+        Gauge("skipdecode_requests_running", "requests in the engine batch", registry=r).set_function(
+            lambda: state.engine.num_running if state.engine else 0)
+        Gauge("skipdecode_requests_waiting", "requests queued for admission", registry=r).set_function(
+            lambda: state.engine.num_waiting if state.engine else 0)
+        Gauge("skipdecode_kv_slots_used", "KV pool slots reserved (all layers)", registry=r).set_function(
+            lambda: state.engine.pool.used_slots if state.engine else 0)
+        Gauge("skipdecode_kv_slots_total", "KV pool slots (all layers)", registry=r).set_function(
+            lambda: sum(state.engine.pool.capacities) if state.engine else 0)
+        self.prompt_tokens = Counter("skipdecode_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("skipdecode_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter("skipdecode_requests", "finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("skipdecode_time_to_first_token_seconds", "time to first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tpot = Histogram("skipdecode_time_per_output_token_seconds", "time per output token", registry=r,
+                              buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1))
+        self.e2e = Histogram("skipdecode_e2e_request_latency_seconds", "request latency", registry=r,
+                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.speedup = Histogram("skipdecode_decode_layer_speedup", "decode-layer speedup per request", registry=r,
+                                 buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6))
+
+    def finished(self, out: RequestOutput) -> None:
+        self.requests.labels(out.finish_reason or "").inc()
+        if out.finish_reason == "abort" or out.first_token_time is None:
+            return
+        n = len(out.token_ids)
+        self.generation_tokens.inc(n)
+        self.ttft.observe(out.first_token_time - out.arrival_time)
+        if n > 1:
+            self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
+        self.e2e.observe(out.finish_time - out.arrival_time)
+        self.speedup.observe(out.decode_layer_speedup)
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.llm = None
+        self.engine = None
+        self.aengine: AsyncEngine | None = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.metrics = Metrics(self)
+        self.names = {config.served_model_name or config.model}
+
+    def load(self) -> None:
+        try:
+            from ..llm import LLM
+
+            llm = LLM.load(self.config.model, dtype=self.config.dtype)
+            engine = llm.engine(self.config.engine)
+            self.llm, self.engine = llm, engine
+            self.aengine = AsyncEngine(engine)
+        except Exception as e:  # noqa: BLE001 - reported by /health and every route
+            self.load_error = f"{type(e).__name__}: {e}"
+
+    @property
+    def ready(self) -> bool:
+        return self.aengine is not None and self.aengine.alive and not self.draining
+
+
+def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
+    state = ServerState(config)
+
+    async def lifespan(app: FastAPI):
+        t = threading.Thread(target=state.load, name="skipdecode-load", daemon=True)
+        t.start()
+        if not load_in_background:
+            await asyncio.to_thread(t.join)
+        yield
+        state.draining = True
+        if state.aengine is not None:
+            state.aengine.shutdown()
+
+    app = FastAPI(title="skipdecode", version="1", lifespan=lifespan,
+                  responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
+                             404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+                             503: {"model": ErrorResponse}})
+    app.state.skipdecode = state
+
+    def openapi() -> dict:
+        """The schema, with ``model`` limited to the names this server serves."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = sorted(state.names)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.exception_handler(APIError)
+    async def _api_error(_r: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_r: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = str(first.get("msg", "invalid request"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        return error_response(APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}",
+                                       param=loc[0] if loc else None))
+
+    @app.exception_handler(Exception)
+    async def _bug(_r: Request, e: Exception):  # a bug: logged with its traceback, answered in OpenAI's shape
+        logging.getLogger("skipdecode.server").exception("internal error")
+        return error_response(APIError(500, f"internal error ({type(e).__name__}); see the server log",
+                                       "internal_error"))
+
+    @app.exception_handler(SkipDecodeError)
+    async def _user_error(_r: Request, e: SkipDecodeError):
+        return error_response(APIError(400, str(e)))
+
+    def check_key(request: Request) -> None:
+        key = config.api_key
+        if key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if auth != f"Bearer {key}":
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_ready() -> None:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "1"})
+        if state.load_error:
+            raise APIError(503, f"the model failed to load: {state.load_error}", "service_unavailable")
+        if state.aengine is None:
+            raise APIError(503, "the model is loading", "service_unavailable", headers={"Retry-After": "2"})
+        if not state.aengine.alive:
+            raise APIError(503, f"the engine loop stopped: {state.aengine.error!r}", "service_unavailable")
+
+    def check_model(name: str) -> None:
+        if name not in state.names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {sorted(state.names)}",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if state.ready:
+            return {"status": "ok"}
+        status = "draining" if state.draining else ("failed" if state.load_error or state.aengine else "loading")
+        return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "skipdecode"}
+                                           for n in sorted(state.names)]}
+
+    def make_request(body, prompt_ids: list[int], max_tokens: int):
+        llm, eng = state.llm, state.engine
+        ctx = llm.model.cfg.max_position
+        if len(prompt_ids) + max_tokens - 1 > ctx:
+            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
+                                f"max_tokens is {max_tokens}: shorten the prompt or lower max_tokens",
+                           param="max_tokens" if len(prompt_ids) < ctx else "messages",
+                           code="context_length_exceeded")
+        speedup = body.speedup
+        if speedup is None and body.schedule is None:
+            speedup = config.default_speedup
+        sched = body.schedule.model_dump(exclude_none=True) if body.schedule is not None else None
+        try:
+            req = llm.request(eng, prompt_ids, speedup=speedup, schedule=sched, max_new_tokens=max_tokens,
+                              mode=body.mode, temperature=body.temperature, top_k=body.top_k,
+                              top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
+                              request_id=f"{uuid.uuid4().hex}")
+            eng.scheduler.check_fits(_Probe(req))
+        except EngineError as e:
+            code = "context_length_exceeded" if "KV slots" in str(e) else None
+            raise APIError(400, str(e), code=code) from None
+        if state.in_flight >= config.engine.max_num_seqs + config.max_queue:
+            raise APIError(429, f"the queue is full ({state.in_flight} requests in flight): retry later",
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        return req
+
+    async def run(req) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; counts it in flight and records its metrics."""
+        state.in_flight += 1
+        state.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        finished = False
+        try:
+            async for out in state.aengine.generate(req):
+                if out.finished:
+                    finished = True
+                    state.metrics.finished(out)
+                yield out
+        except EngineError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        finally:
+            state.in_flight -= 1
+            if not finished:
+                state.metrics.requests.labels("abort").inc()
+
+    async def collect(req, request: Request) -> RequestOutput:
+        """Run to the end; a client that goes away aborts the request."""
+        async def consume():
+            last = None
+            async for out in run(req):
+                last = out
+            return last
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+                raise APIError(499, "client disconnected")
+        return task.result()
+
+    def usage(prompt_len: int, out: RequestOutput) -> dict:
+        n = len(out.token_ids)
+        return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
+                "decode_layer_speedup": round(out.decode_layer_speedup, 4)}
+
+    def finish_reason(out: RequestOutput) -> str | None:
+        return {"eos": "stop", "stop": "stop", "length": "length"}.get(out.finish_reason or "", out.finish_reason)
+
+    def trace(out: RequestOutput) -> dict:
+        return {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+                "active_layers": out.active_layers}
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def stream(req, body, kind: str, rid: str, prompt_len: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        base = {"id": rid, "object": obj, "created": created, "model": body.model}
+
+        def chunk(delta: str, reason: str | None, out: RequestOutput | None = None, first: bool = False) -> dict:
+            if kind == "completion":
+                c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                d = ({"role": "assistant", "content": delta} if first else {"content": delta}) if delta or first \
+                    else {}
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            if out is not None and body.trace:
+                c.update(trace(out))
+            return dict(base, choices=[c])
+
+        if kind == "chat":
+            yield sse(chunk("", None, first=True))
+        async for out in run(req):
+            if out.finished:
+                yield sse(chunk(out.text_delta, finish_reason(out), out))
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    yield sse(dict(base, choices=[], usage=usage(prompt_len, out)))
+            elif out.text_delta:
+                yield sse(chunk(out.text_delta, None))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        check_ready()
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            ids = state.llm.encode(body.prompt, chat=False)
+        else:
+            ids = list(body.prompt)
+        req = make_request(body, ids, body.max_tokens or 16)
+        rid = f"cmpl-{req.request_id}"
+        if body.stream:
+            return StreamingResponse(stream(req, body, "completion", rid, len(ids)), media_type="text/event-stream")
+        out = await collect(req, request)
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+        if body.trace:
+            choice.update(trace(out))
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
+                "choices": [choice], "usage": usage(len(ids), out)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_ready()
+        check_model(body.model)
+        from ..tokenization import encode_messages
+
+        try:
+            msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = encode_messages(state.llm.tokenizer, msgs)
+        max_tokens = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
+        req = make_request(body, ids, max_tokens)
+        rid = f"chatcmpl-{req.request_id}"
+        if body.stream:
+            return StreamingResponse(stream(req, body, "chat", rid, len(ids)), media_type="text/event-stream")
+        out = await collect(req, request)
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                  "finish_reason": finish_reason(out)}
+        if body.trace:
+            choice.update(trace(out))
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+                "choices": [choice], "usage": usage(len(ids), out)}
+
+    return app
+
+
+class _Probe:
+    """The part of a request state ``Scheduler.check_fits`` reads."""
+
+    def __init__(self, req):
+        self.request = req
+        self.request_id = req.request_id
+        self.prompt_len = len(req.prompt_token_ids)

@@ -1,0 +1,145 @@
+"""OpenAI-compatible request and response bodies, with the skip extensions.
+
+Standard fields follow OpenAI's API (defaults included: ``temperature`` 1,
+``max_tokens`` 16 for completions). Skip controls ride as extra body fields,
+the way vLLM takes ``top_k``: ``speedup`` or ``schedule`` (the fields of
+``SkipSchedule``), ``mode``, and ``trace`` (token ids and the layers each
+token ran, per choice). Unknown fields are refused, so a typo is a 400, not a
+silently ignored option.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class ScheduleFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_exit_layer: int
+    min_exit_layer: int
+    horizon: int
+    warmup_layers: int = 1
+    mode: Literal["skip", "early_exit"] = "skip"
+    num_layers: int | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # skipdecode extensions
+    speedup: float | None = Field(None, ge=1.0)
+    schedule: ScheduleFields | None = None
+    mode: Literal["skip", "early_exit"] = "skip"
+    trace: bool = False
+
+    @field_validator("temperature", "top_p", "speedup", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        if v is None:
+            return []
+        v = [v] if isinstance(v, str) else v
+        if len(v) > 4:
+            raise ValueError("at most 4 stop strings")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self) -> "_Sampling":
+        if self.n != 1:
+            raise ValueError("n: only n=1 is supported")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs: not supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty/frequency_penalty: not supported (use 0)")
+        if self.speedup is not None and self.schedule is not None:
+            raise ValueError("speedup/schedule: give either a target speedup or a schedule, not both")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[StrictInt] | list[str] = Field(..., description="text, or token ids; a list of one string")
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (a list of one string, or token ids)")
+            v = v[0]
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt is empty")
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _no_echo(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo: not supported")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for p in self.content:
+                if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise ValueError("messages: only text content parts are supported")
+                parts.append(p["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)

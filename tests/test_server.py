@@ -1,0 +1,295 @@
+"""``skipdecode serve`` in a real process on 127.0.0.1, driven by the official
+``openai`` client, concurrent streams, schemathesis and raw HTTP: the same
+text as ``generate``, errors in OpenAI's shape (never a 5xx), aborts that free
+KV, a SIGTERM that lets requests in flight finish. A tiny 6-layer Llama with a
+byte-level tokenizer and a chat template keeps it fast."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from _server_helpers import Server
+from conftest import _LLAMA, build_tiny, byte_tokenizer
+from skipdecode.schedule import SkipSchedule
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-test"
+NAME = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """6 layers, 512 positions, a byte-level tokenizer with a chat template; EOS never wins greedy."""
+    d = tmp_path_factory.mktemp("serve") / "llama"
+    m = build_tiny("llama", d, seed=11, **dict(_LLAMA, vocab_size=264, num_hidden_layers=6,
+                                                 max_position_embeddings=512, tie_word_embeddings=False,
+                                                 eos_token_id=256))
+    with torch.no_grad():
+        m.lm_head.weight[256].zero_()
+    m.save_pretrained(d)
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    s = Server(chat_model_dir, "--api-key", KEY, "--served-model-name", NAME, "--max-num-seqs", "16",
+               "--kv-tokens", "16384")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model_dir):
+    from skipdecode import LLM
+
+    return LLM.load(chat_model_dir)
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_completions_and_chat_through_the_openai_client_equal_generate(server, llm):
+    c = client(server)
+    prompt = "Describe a pub by the river."
+    for sp in (1, 2, 3):
+        want = llm.generate(prompt, speedup=sp, max_new_tokens=12, chat=False)[0]
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"speedup": sp})
+        assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 12
+        assert r.usage.model_extra["decode_layer_speedup"] == pytest.approx(want.decode_layer_speedup, abs=1e-4)
+        streamed = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                        extra_body={"speedup": sp})
+        assert "".join(ch.choices[0].text for ch in streamed) == want.text
+
+    want = llm.generate("Name a colour.", speedup=2, max_new_tokens=10)[0]  # the chat template, one user turn
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0,
+                                  extra_body={"speedup": 2, "trace": True})
+    ch = r.choices[0]
+    assert ch.message.content == want.text and ch.message.role == "assistant"
+    assert ch.model_extra["token_ids"] == want.token_ids
+    assert ch.model_extra["active_layers"] == want.active_layers
+    chunks = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"speedup": 2}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(x.choices[0].delta.content or "" for x in chunks if x.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert [m.id for m in c.models.list().data] == [NAME]
+
+
+def test_a_schedule_and_sampling_fields_are_honoured(server, llm):
+    c = client(server)
+    sched = {"max_exit_layer": 6, "min_exit_layer": 2, "horizon": 4, "warmup_layers": 1}
+    s = SkipSchedule.from_dict(sched, 6)
+    r = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0,
+                             extra_body={"schedule": sched, "trace": True})
+    assert r.choices[0].model_extra["active_layers"][:-1] == [s.layers(i) for i in range(7)]
+    a = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=1.0, seed=5, top_p=0.9,
+                             extra_body={"top_k": 20})
+    b = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=1.0, seed=5, top_p=0.9,
+                             extra_body={"top_k": 20})
+    assert a.choices[0].text == b.choices[0].text, "a seeded sampled request is reproducible"
+    stop = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0)
+    cut = stop.choices[0].text[2:4]
+    if cut:
+        r = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0, stop=cut)
+        assert r.choices[0].finish_reason == "stop" and cut not in r.choices[0].text
+
+
+def test_64_concurrent_streaming_clients_with_mixed_speedups_each_get_their_solo_output(server, llm):
+    prompts = [f"Request {i}: describe restaurant number {i * 7 % 13}." for i in range(64)]
+    speedups = [(1, 2, 3)[i % 3] for i in range(64)]
+    solo = [llm.generate(p, speedup=sp, max_new_tokens=16, chat=False)[0].text for p, sp in zip(prompts, speedups)]
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        async def one(p, sp):
+            s = await c.completions.create(model=NAME, prompt=p, max_tokens=16, temperature=0, stream=True,
+                                           extra_body={"speedup": sp})
+            return "".join([ch.choices[0].text async for ch in s])
+
+        return await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, speedups))), 180)
+
+    got = asyncio.run(main())
+    assert got == solo
+    assert server.health() == 200
+
+
+def _post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST", path, body=raw if raw is not None else json.dumps(body), headers=headers)
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, dict(r.getheaders()), json.loads(data) if data else None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": -1}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"n": 2}, None),
+    ({"logprobs": 3}, None), ({"max_tokens": 0}, "max_tokens"), ({"colour": "red"}, "colour"),
+    ({"speedup": 0.5}, "speedup"), ({"speedup": 2, "schedule": {"max_exit_layer": 6, "min_exit_layer": 2,
+                                                                 "horizon": 3}}, None),
+    ({"schedule": {"max_exit_layer": 9, "min_exit_layer": 2, "horizon": 3}}, None),
+    ({"stop": [1, 2]}, "stop"), ({"prompt": ""}, "prompt"), ({"top_p": 0}, "top_p"),
+    ({"seed": -3}, "seed"), ({"prompt": [300]}, None),
+])
+def test_invalid_fields_are_400_in_openai_shape(server, body, param):
+    status, _, err = _post(server, "/v1/completions", {"model": NAME, "prompt": "hi", **body})
+    assert status == 400, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    if param:
+        assert err["error"]["param"] == param
+
+
+def test_errors_for_context_model_key_and_bad_json(server):
+    status, _, err = _post(server, "/v1/completions", {"model": NAME, "prompt": "x" * 500, "max_tokens": 50})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    status, _, err = _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    for key in (None, "wrong"):
+        status, _, err = _post(server, "/v1/completions", {"model": NAME, "prompt": "hi"}, key=key)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    status, _, err = _post(server, "/v1/chat/completions", None, raw=b"{not json")
+    assert status == 400 and "error" in err
+    status, _, err = _post(server, "/v1/chat/completions", {"model": NAME, "messages": []})
+    assert status == 400 and err["error"]["param"] == "messages"
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request_and_frees_its_kv(server):
+    before = server.metrics().get('skipdecode_requests_total{finish_reason="abort"}', 0.0)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": NAME, "prompt": "Tell a long story.", "max_tokens": 480, "temperature": 0, "stream": True}),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200
+    r.readline()  # the first event arrived: the request is running
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m.get('skipdecode_requests_total{finish_reason="abort"}', 0) > before and \
+                m["skipdecode_requests_running"] == 0 and m["skipdecode_kv_slots_used"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the request was not aborted: {server.metrics()}")
+    assert server.health() == 200
+
+
+@pytest.mark.skipif(shutil.which("schemathesis") is None and shutil.which("st") is None and
+                    not os.path.exists(os.path.join(os.path.dirname(sys.executable), "schemathesis")),
+                    reason="schemathesis is not installed")
+def test_schemathesis_finds_no_server_error_and_the_server_survives(server, tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    r = subprocess.run([exe, "run", server.url + "/openapi.json", "--checks", "not_a_server_error",
+                        "--max-examples", "40", "-H", f"Authorization: Bearer {KEY}", "--request-timeout", "30",
+                        "--max-response-time", "30", "--no-color"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert server.health() == 200
+
+
+def test_queue_full_is_429_with_retry_after(chat_model_dir):
+    s = Server(chat_model_dir, "--max-num-seqs", "1", "--max-queue", "0")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": str(chat_model_dir), "prompt": "Tell a long story.", "max_tokens": 480, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.readline()
+        status, headers, err = _post(s, "/v1/completions", {"model": str(chat_model_dir), "prompt": "hi"}, key=None)
+        assert status == 429 and headers.get("retry-after") == "1" and err["error"]["code"] == "queue_full"
+        conn.close()
+    finally:
+        s.stop()
+
+
+def test_sigterm_lets_requests_in_flight_finish_and_exits_0(chat_model_dir):
+    s = Server(chat_model_dir, "--grace", "60")
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": str(chat_model_dir), "prompt": "Tell a long story.", "max_tokens": 480, "temperature": 0,
+         "stream": True}), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    first = r.readline()
+    assert first.startswith(b"data: ")
+    s.proc.send_signal(signal.SIGTERM)
+    rest = r.read().decode()
+    events = [json.loads(line[6:]) for line in (first.decode() + rest).splitlines()
+              if line.startswith("data: {")]
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(60) == 0
+    assert s.health() is None, "it stopped accepting connections"
+    s.stop()
+
+
+def test_health_fails_and_requests_get_503_when_the_engine_loop_dies(chat_model_dir):
+    """In process: break the model so the engine loop dies on its next step;
+    the request in flight gets a 503 (no hang), /health turns 503."""
+    from fastapi.testclient import TestClient
+
+    from skipdecode.server import ServerConfig, build_app
+
+    app = build_app(ServerConfig(model=str(chat_model_dir), served_model_name=NAME), load_in_background=False)
+    with TestClient(app) as tc:
+        assert tc.get("/health").status_code == 200
+        state = app.state.skipdecode
+
+        def broken(*a, **kw):
+            raise RuntimeError("simulated kernel failure")
+
+        state.llm.model.decode = broken
+        r = tc.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 503 and "engine loop" in r.json()["error"]["message"]
+        assert tc.get("/health").status_code == 503
+        r = tc.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 503
+
+
+def test_health_is_503_while_the_model_loads(chat_model_dir, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    import skipdecode.llm
+    from skipdecode.server import ServerConfig, build_app
+
+    gate = __import__("threading").Event()
+    real = skipdecode.llm.LLM.load
+    monkeypatch.setattr(skipdecode.llm.LLM, "load", classmethod(lambda cls, *a, **k: gate.wait(30) and real(*a, **k)))
+    app = build_app(ServerConfig(model=str(chat_model_dir), served_model_name=NAME))
+    with TestClient(app) as tc:
+        r = tc.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = tc.post("/v1/completions", json={"model": NAME, "prompt": "hi"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        gate.set()
+        for _ in range(300):
+            if tc.get("/health").status_code == 200:
+                break
+            time.sleep(0.1)
+        assert tc.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3}).status_code == 200
