@@ -121,7 +121,7 @@ def test_requests_file_replays_arrivals_deterministically(tiny_cli_dir, capsys, 
 
 
 @pytest.mark.parametrize("line, needle", [
-    ("{not json", "line 1: not valid JSON"), ('{"speedup": 2}', 'needs a "prompt"'),
+    ("{not json", "bad.jsonl:1: not valid JSON"), ('{"speedup": 2}', 'needs a "prompt"'),
     ('{"prompt": "x", "colour": 1}', "unknown field(s) ['colour']"),
     ('{"prompt": "x", "arrive_at_step": -1}', "arrive_at_step must be >= 0"),
     ('{"prompt": "x", "max_new_tokens": "9"}', "'max_new_tokens' has the wrong type"),

@@ -34,34 +34,23 @@ REQUEST_FIELDS = {"prompt": str, "speedup": (int, float), "schedule": dict, "max
 
 def read_requests(path: str, default_new_tokens: int) -> list[dict]:
     """The requests of a replay file: one JSON object per line (see REQUEST_FIELDS)."""
+    from pathlib import Path
+
+    from .data import jsonl_objects
     from .engine import EngineError
 
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise EngineError(f"cannot read the requests file {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise EngineError(f"the requests file {path} is not UTF-8 text") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EngineError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(d, dict):
-            raise EngineError(f"{path} line {n}: expected a JSON object")
+    for n, d in jsonl_objects(Path(path)):
         unknown = set(d) - set(REQUEST_FIELDS)
         if unknown:
-            raise EngineError(f"{path} line {n}: unknown field(s) {sorted(unknown)}; known: {sorted(REQUEST_FIELDS)}")
+            raise EngineError(f"{path}:{n}: unknown field(s) {sorted(unknown)}; known: {sorted(REQUEST_FIELDS)}")
         if "prompt" not in d:
-            raise EngineError(f"{path} line {n}: a request needs a \"prompt\"")
+            raise EngineError(f"{path}:{n}: a request needs a \"prompt\"")
         for k, t in REQUEST_FIELDS.items():
             if k in d and (isinstance(d[k], bool) or not isinstance(d[k], t)):
-                raise EngineError(f"{path} line {n}: {k!r} has the wrong type ({type(d[k]).__name__})")
+                raise EngineError(f"{path}:{n}: {k!r} has the wrong type ({type(d[k]).__name__})")
         if d.get("arrive_at_step", 0) < 0:
-            raise EngineError(f"{path} line {n}: arrive_at_step must be >= 0")
+            raise EngineError(f"{path}:{n}: arrive_at_step must be >= 0")
         d.setdefault("max_new_tokens", default_new_tokens)
         out.append(d)
     if not out:

@@ -178,11 +178,14 @@ def load_e2e(path: str | os.PathLike | None = None, *, val_groups: int | float =
 
 
 # -- JSON lines -------------------------------------------------------------------------
-def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line; a clear error names the line at fault."""
     try:
         f = path.open(encoding="utf-8")
     except FileNotFoundError:
         raise DataError(f"data file {path} does not exist") from None
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
     with f:
         try:
             for n, line in enumerate(f, 1):
@@ -238,7 +241,7 @@ def read_jsonl(path: str | os.PathLike) -> list[Example]:
     """
     p = Path(path)
     out = []
-    for n, obj in _jsonl(p):
+    for n, obj in jsonl_objects(p):
         prompt = _text(p, n, obj, "prompt")
         for t in _texts(p, n, obj, "target"):
             out.append(Example(prompt, t, prompt))
@@ -261,7 +264,7 @@ def read_scitldr(path: str | os.PathLike) -> list[Example]:
     """SciTLDR lines: ``source`` (abstract sentences) -> each of ``target`` (TL;DRs)."""
     p = Path(path)
     out = []
-    for n, obj in _jsonl(p):
+    for n, obj in jsonl_objects(p):
         source = _texts(p, n, obj, "source", allow_empty_items=True)  # one real abstract has a blank sentence
         targets = _texts(p, n, obj, "target")
         group = str(obj.get("paper_id") or f"{p.name}:{n}")

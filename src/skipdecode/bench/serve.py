@@ -113,7 +113,9 @@ def _start_skipdecode(model: str, port: int, log: Path) -> subprocess.Popen:
 
 def _start_vllm(venv: Path, model_dir: Path, port: int, log: Path) -> subprocess.Popen:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
-    return subprocess.Popen([str(venv / "bin" / "vllm"), "serve", str(model_dir), "--dtype", "float32",
+    # the module, not the `vllm` script: the script looks up a `vllm` distribution, which vllm-cpu is not
+    return subprocess.Popen([str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", str(model_dir), "--dtype", "float32",
                              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
                              "--generation-config", "vllm", "--max-model-len", "2048"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
@@ -133,10 +135,15 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
     from ..checkpoint import resolve
     from ..data import load_task
 
-    items = load_task("e2e").eval_items("validation")
+    task = load_task("e2e")
+    mrs = [it.prompt for it in task.eval_items("validation") + task.eval_items("train")]  # all 547 MRs
     N = n_requests or (16 if quick else 48)
     rates = rates or ([2.0, float("inf")] if quick else [1.0, 2.0, 4.0, 8.0, float("inf")])
-    prompts = [items[i % len(items)].prompt for i in range(N)]
+    if N * (len(rates) + 1) > len(mrs):
+        raise ValueError(f"{N} requests x {len(rates) + 1} runs need more than the {len(mrs)} E2E MRs")
+    # every run its own prompts (the warm-up too), the same for every system: a prompt
+    # seen in an earlier run would come from the prefix cache and flatter later runs
+    slices = [mrs[i * N:(i + 1) * N] for i in range(len(rates) + 1)]
     model_dir = resolve(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -145,8 +152,8 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
     results: list[dict] = []
 
     def sweep(system: str, url: str, extra: dict) -> None:
-        asyncio.run(_load(url, "bench", prompts[:2], [0.0, 0.0], 8, extra))  # warm-up
-        for rate in rates:
+        asyncio.run(_load(url, "bench", slices[-1][:2], [0.0, 0.0], 8, extra))  # warm-up
+        for rate, prompts in zip(rates, slices):
             r = asyncio.run(_load(url, "bench", prompts, _arrivals(N, rate, seed), max_tokens, extra))
             r.update(system=system, rate=rate if rate != float("inf") else "saturation")
             results.append(r)
@@ -154,14 +161,14 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
                 f"{r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  TPOT p50/p99 {r['tpot_p50_ms']:.0f}/"
                 f"{r['tpot_p99_ms']:.0f} ms")
 
-    port = _free_port()
-    proc = _start_skipdecode(model, port, logs / "bench-serve-skipdecode.log")
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc, 600, logs / "bench-serve-skipdecode.log")
-        for sp in (1, 2, 3):
+    for sp in (1, 2, 3):  # a fresh server (and prefix cache) per speedup
+        port = _free_port()
+        proc = _start_skipdecode(model, port, logs / "bench-serve-skipdecode.log")
+        try:
+            _wait_healthy(f"http://127.0.0.1:{port}", proc, 600, logs / "bench-serve-skipdecode.log")
             sweep(f"skipdecode {sp}x", f"http://127.0.0.1:{port}", {"speedup": sp})
-    finally:
-        _stop(proc)
+        finally:
+            _stop(proc)
 
     venv = Path(vllm_venv)
     vver = vllm_version(venv)
@@ -211,9 +218,10 @@ def render_markdown(report: dict) -> str:
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; python {m['python']}, torch {m['torch']}, "
         f"skipdecode {m['skipdecode']}, vLLM {s['vllm'] or 'not run'}",
         f"- Model: `{s['model']}` (`{s['model_dir']}`), fp32, greedy, up to {s['max_tokens']} new tokens, ending "
-        f"on EOS; {s['requests_per_run']} E2E chat requests per run; client: {s['client']}.",
+        f"on EOS; {s['requests_per_run']} E2E chat requests per run, each run its own E2E MRs (the same for every "
+        f"system, never repeated: no prompt is in a prefix cache from an earlier run); client: {s['client']}.",
         "- Poisson arrivals at each rate (same times for every system); `saturation` = all at once. One server at a "
-        "time on 127.0.0.1.",
+        "time on 127.0.0.1; a fresh skipdecode server per speedup.",
         f"- Sustainable throughput: the best tokens/s among rates with p99 TPOT <= {s['tpot_limit_ms']:.0f} ms.",
     ]
     if s.get("vllm_note"):
