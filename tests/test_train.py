@@ -315,3 +315,36 @@ def test_untrained_targets_are_solved_with_the_checkpoints_decay(tmp_path):
     assert got == SkipSchedule.for_speedup(2.2, 29, 30, decay=1.25, warmup_layers=trained["2x"].warmup_layers)
     steep = SkipSchedule.for_speedup(2.2, 29, 30)
     assert got.max_exit_layer < steep.max_exit_layer and got.min_exit_layer > steep.min_exit_layer
+
+
+class _Payload:
+    """A pickle that runs code when loaded: it creates a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("name", ["rng-rank0.pt", "trainable.pt", "optimizer.pt", "scheduler.pt"])
+def test_resume_refuses_a_crafted_pickle_in_any_checkpoint_file_without_running_it(tmp_path, tiny_text, e2e_csv,
+                                                                                     name):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "skipdecode.cli", "train", "--model", str(tiny_text), "--data", str(e2e_csv),
+           "-o", str(out), "--steps", "6", "--batch-size", "4", "--lr", "3e-3", "--seed", "0", "--speedups", "1,3",
+           "--val-groups", "1", "--save-every", "2", "--eval-examples", "0", "--no-progress"]
+    env = dict(os.environ, SKIPDECODE_FAULT="kill_after_step=3", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    ckpt = out / "checkpoints" / "step-000002"
+    marker = tmp_path / "pwned"
+    torch.save({"python": _Payload(marker), "torch": _Payload(marker)}, ckpt / name)
+    with pytest.raises(TrainError, match=f"{name} cannot be loaded as weights only"):
+        train(_run_cfg(tiny_text, e2e_csv, out, resume=True, steps=6, save_every=2, speedups=[1.0, 3.0],
+                       eval_examples=0))
+    assert not marker.exists(), "loading the checkpoint ran code"
+    (ckpt / name).write_bytes((ckpt / name).read_bytes()[:40])  # truncated: the same clear error
+    with pytest.raises(TrainError, match="cannot be loaded as weights only"):
+        train(_run_cfg(tiny_text, e2e_csv, out, resume=True, steps=6, save_every=2, speedups=[1.0, 3.0],
+                       eval_examples=0))

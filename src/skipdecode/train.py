@@ -396,15 +396,29 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, opt: torch.optim.Opt
     return final
 
 
+def _load_pt(path: Path) -> Any:
+    """A checkpoint file, weights only: tensors and plain containers, never code.
+    A file that holds anything else (a crafted pickle) or is cut short is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise TrainError(f"checkpoint file {path} is missing: delete {path.parent} to resume from the one "
+                         "before it") from None
+    except Exception as e:  # UnpicklingError, EOFError, RuntimeError from a truncated zip, ...
+        raise TrainError(f"checkpoint file {path} cannot be loaded as weights only ({type(e).__name__}): it is "
+                         f"corrupt or not written by skipdecode; delete {path.parent} to resume from the one "
+                         "before it") from None
+
+
 def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, env: DistEnv,
                     fsdp: bool = False) -> dict:
     state = json.loads((ckpt / "state.json").read_text())
     params = dict(model.named_parameters())
-    saved = torch.load(ckpt / "trainable.pt", map_location="cpu", weights_only=True)
+    saved = _load_pt(ckpt / "trainable.pt")
     missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
     if missing:
         raise TrainError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]})")
-    opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    opt_state = _load_pt(ckpt / "optimizer.pt")
     if fsdp:  # every rank read the whole state; each keeps its shards
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -417,10 +431,10 @@ def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sc
             for n, t in saved.items():
                 params[n].copy_(t)
         opt.load_state_dict(opt_state)
-    sched.load_state_dict(torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=True))
+    sched.load_state_dict(_load_pt(ckpt / "scheduler.pt"))
     rng_file = ckpt / f"rng-rank{env.rank}.pt"
     if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)  # python's state is a tuple of ints
+        rng = _load_pt(rng_file)  # python's state is a tuple of ints: weights-only loads it
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
     else:  # resumed on more ranks than saved: a deterministic stand-in
