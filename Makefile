@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench bench-quick bench-engine bench-serve vllm-venv
+.PHONY: setup demo test bench bench-quick bench-engine bench-serve bench-ray vllm-venv
 
 setup: $(STAMP)
 
@@ -46,3 +46,6 @@ vllm-venv: $(VLLM_VENV)/.installed
 
 bench-serve: setup vllm-venv  ## skipdecode serve vs vllm serve: benchmarks/results/serve.{json,md,png}
 	$(BIN)/skipdecode bench --serve
+
+bench-ray: setup  ## one Ray Serve replica on 2 CPUs against two on 1 CPU: benchmarks/results/ray.{json,md}
+	$(BIN)/skipdecode bench --ray

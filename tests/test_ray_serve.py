@@ -1,0 +1,104 @@
+"""``skipdecode serve --ray``: replicas on a local Ray Serve (127.0.0.1), each
+its own engine behind the same routes. 40 concurrent requests get the text a
+single server gives and are spread over both replicas; a replica killed
+mid-run is restarted by Ray and requests keep succeeding, while requests on
+the other replica are unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from _server_helpers import Server
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from test_server import chat_model_dir  # noqa: E402,F401  (the tiny model with a chat template)
+
+
+@pytest.fixture(scope="module")
+def ray_server(chat_model_dir):  # noqa: F811
+    s = Server(chat_model_dir, "--ray", "--num-replicas", "2", "--replica-cpus", "1", "--served-model-name", "tiny",
+               timeout=240)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model_dir):  # noqa: F811
+    from skipdecode import LLM
+
+    return LLM.load(chat_model_dir)
+
+
+async def _one(c, prompt: str, sp: float, max_tokens: int = 24):
+    r = await c.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0, extra_body={"speedup": sp})
+    return r.headers.get("x-skipdecode-replica"), int(r.headers.get("x-skipdecode-replica-pid")), r.parse()
+
+
+def _client(server):
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_forty_concurrent_requests_spread_over_two_replicas_and_equal_one_server(ray_server, llm):
+    prompts = [f"Request {i}: a pub near the river." for i in range(40)]
+    speedups = [(1, 2, 3)[i % 3] for i in range(40)]
+    want = [llm.generate(p, speedup=sp, max_new_tokens=24, chat=False)[0].text for p, sp in zip(prompts, speedups)]
+
+    async def main():
+        c = _client(ray_server)
+        return await asyncio.wait_for(asyncio.gather(*(_one(c, p, sp) for p, sp in zip(prompts, speedups))), 240)
+
+    res = asyncio.run(main())
+    assert [r.choices[0].text for _, _, r in res] == want
+    assert len({rid for rid, _, _ in res}) == 2, "both replicas served requests"
+    assert ray_server.health() == 200
+
+
+def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(ray_server):
+    async def main():
+        c = _client(ray_server)
+        first = await asyncio.gather(*(_one(c, f"warm {i}", 1) for i in range(16)))
+        pids = {pid for _, pid, _ in first}
+        assert len(pids) == 2
+        victim, survivor = sorted(pids)
+
+        async def long(i):  # streams that outlive the kill; those on the survivor must finish
+            r = c.completions.with_streaming_response.create(
+                model="tiny", prompt=f"long {i}", max_tokens=400, temperature=0, stream=True)
+            async with r as resp:
+                pid = int(resp.headers["x-skipdecode-replica-pid"])
+                try:
+                    text = "".join([line async for line in resp.iter_lines()])
+                    return pid, text.rstrip().endswith("[DONE]")
+                except Exception:  # noqa: BLE001 - the killed replica's streams may break
+                    return pid, False
+
+        streams = [asyncio.ensure_future(long(i)) for i in range(8)]
+        await asyncio.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        done = await asyncio.wait_for(asyncio.gather(*streams), 240)
+        on_survivor = [ok for pid, ok in done if pid == survivor]
+        assert on_survivor and all(on_survivor), "requests on the other replica are unaffected"
+
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # Ray replaces the replica; then every request succeeds
+            try:
+                res = await asyncio.gather(*(_one(c, f"after {i}", 2) for i in range(10)))
+            except Exception:  # noqa: BLE001 - routed to the dead replica before Ray noticed
+                await asyncio.sleep(1)
+                continue
+            now = {pid for _, pid, _ in res}
+            if len(now) == 2 and victim not in now:
+                return True
+            await asyncio.sleep(1)
+        return False
+
+    assert asyncio.run(main()), "the killed replica was not replaced within 180 s"
+    assert ray_server.health() == 200
