@@ -159,3 +159,18 @@ def test_plain_encoding_continues_the_prompt(tokenizer):
     assert p_ids == tokenizer("The capital of France is")["input_ids"]
     assert tokenizer.decode(p_ids + t_ids[:-1]) == "The capital of France is Paris."
     assert t_ids[-1] == tokenizer.eos_token_id
+
+
+def test_e2e_names_split_holds_out_whole_restaurant_names():
+    """Validation MRs are those of held-out restaurant names; no training
+    example mentions any of those names; at least 60 MRs are held out."""
+    from skipdecode.data import load_task, parse_mr
+
+    d = load_task("e2e-names")
+    name = lambda g: dict(parse_mr(g)).get("name")  # noqa: E731
+    held = {name(e.group) for e in d.validation}
+    assert len({e.group for e in d.validation}) >= 60 and 0 < len(held) < 20
+    assert not any(h in e.group or h in e.prompt for e in d.train for h in held)
+    assert {name(e.group) for e in d.train}.isdisjoint(held)
+    assert load_task("e2e-names").validation == d.validation, "deterministic"
+    assert {e.group for e in load_task("e2e").validation} != {e.group for e in d.validation}

@@ -169,10 +169,37 @@ def read_e2e(path: str | os.PathLike) -> list[Example]:
     return out
 
 
+def split_by_name(examples: Sequence[Example], min_val_mrs: int = E2E_VALIDATION_MRS, seed: int = 0
+                  ) -> tuple[list[Example], list[Example]]:
+    """E2E split that holds out whole restaurant names: names are shuffled with
+    ``random.Random(seed)`` and held out one by one until at least
+    ``min_val_mrs`` MRs have a held-out ``name[...]``. No training example
+    mentions a held-out name, so validation looks like unseen traffic."""
+    name_of = {ex.group: dict(parse_mr(ex.group)).get("name") for ex in examples}
+    names = sorted({n for n in name_of.values() if n})
+    random.Random(seed).shuffle(names)
+    held: set[str] = set()
+    for n in names:
+        if sum(1 for g in set(name_of) if name_of[g] in held) >= min_val_mrs:
+            break
+        held.add(n)
+    if len(held) == len(names):
+        raise DataError(f"cannot hold out {min_val_mrs} MRs by restaurant name and still train")
+    train = [e for e in examples if name_of[e.group] not in held and not any(h in e.group for h in held)]
+    val = [e for e in examples if name_of[e.group] in held]
+    return train, val
+
+
 def load_e2e(path: str | os.PathLike | None = None, *, val_groups: int | float = E2E_VALIDATION_MRS,
-             seed: int = 0) -> TaskData:
-    """E2E NLG: prompt = the MR's attributes, target = a human reference; split by MR."""
+             seed: int = 0, by: str = "mr") -> TaskData:
+    """E2E NLG: prompt = the MR's attributes, target = a human reference; split
+    by MR (``by="mr"``) or by restaurant name (``by="name"``: whole names held out)."""
     p = Path(path) if path is not None else data_root() / "e2e" / "devset.csv"
+    if by == "name":
+        train, val = split_by_name(read_e2e(p), int(val_groups) if val_groups >= 1 else E2E_VALIDATION_MRS, seed)
+        return TaskData("e2e-names", train, val)
+    if by != "mr":
+        raise DataError(f"E2E splits by 'mr' or 'name', got {by!r}")
     train, val = split_by_group(read_e2e(p), val_groups, seed)
     return TaskData("e2e", train, val)
 
@@ -282,9 +309,11 @@ def load_scitldr(directory: str | os.PathLike | None = None) -> TaskData:
 
 
 def load_task(spec: str, *, val_groups: int | float | None = None, seed: int = 0) -> TaskData:
-    """``e2e``, ``scitldr``, an E2E-style ``.csv`` or a ``.jsonl`` file of prompt/target pairs."""
-    if spec == "e2e":
-        return load_e2e(val_groups=E2E_VALIDATION_MRS if val_groups is None else val_groups, seed=seed)
+    """``e2e`` (split by MR), ``e2e-names`` (whole restaurant names held out),
+    ``scitldr``, an E2E-style ``.csv`` or a ``.jsonl`` file of prompt/target pairs."""
+    if spec in ("e2e", "e2e-names"):
+        return load_e2e(val_groups=E2E_VALIDATION_MRS if val_groups is None else val_groups, seed=seed,
+                        by="name" if spec == "e2e-names" else "mr")
     if spec == "scitldr":
         return load_scitldr()
     p = Path(spec)
@@ -294,7 +323,7 @@ def load_task(spec: str, *, val_groups: int | float | None = None, seed: int = 0
         return load_jsonl(p, val_groups=0 if val_groups is None else val_groups, seed=seed)
     if p.is_dir() and (p / "train.jsonl").is_file():
         return load_scitldr(p)
-    raise DataError(f"data {spec!r}: give 'e2e', 'scitldr', a .jsonl file of prompt/target pairs or an E2E .csv")
+    raise DataError(f"data {spec!r}: give 'e2e', 'e2e-names', 'scitldr', a .jsonl file of prompt/target pairs or an E2E .csv")
 
 
 # -- tokenization ---------------------------------------------------------------------------

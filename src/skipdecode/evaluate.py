@@ -31,7 +31,8 @@ def load_items(task: str, data: str | os.PathLike, split: str = "all", val_group
     if task == "e2e":
         if split == "all":
             return TaskData("e2e", read_e2e(data)).eval_items("train")
-        return load_e2e(data, val_groups=val_groups, seed=seed).eval_items(split)
+        by = "name" if split.endswith("-names") else "mr"
+        return load_e2e(data, val_groups=val_groups, seed=seed, by=by).eval_items(split.removesuffix("-names"))
     if task == "scitldr":
         if split != "all":
             raise DataError("SciTLDR files are already split (train.jsonl/dev.jsonl): use --split all")
@@ -134,8 +135,9 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--model", default="default")
     e.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
     e.add_argument("--limit", type=int, default=None, help="first N items (an item = a prompt with all its refs)")
-    e.add_argument("--split", choices=["all", "train", "validation"], default="all",
-                   help="E2E: evaluate the held-out MRs of the train/validation split (by MR)")
+    e.add_argument("--split", choices=["all", "train", "validation", "train-names", "validation-names"],
+                   default="all", help="E2E: the train/validation split by MR, or (-names) with whole restaurant "
+                                       "names held out (the names unseen in training)")
     e.add_argument("--val-groups", type=int, default=60)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--batch-size", type=int, default=16)

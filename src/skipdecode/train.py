@@ -808,7 +808,8 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
         description="Teacher-forced fine-tuning where target position i runs exactly the layers of b(i), "
                     "as at generation. Writes a Hugging Face directory (or a PEFT adapter) to --output-dir.")
     t.add_argument("--model", default=d.model, help="'default', a local HF directory or a .gguf file")
-    t.add_argument("--data", default=d.data, help="e2e | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
+    t.add_argument("--data", default=d.data,
+                   help="e2e | e2e-names | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
     t.add_argument("--output-dir", "-o", default=None, help="where the run writes (required unless measuring)")
     s = t.add_mutually_exclusive_group()
     s.add_argument("--speedups", type=parse_speedups, default=d.speedups,
