@@ -102,3 +102,21 @@ def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(ray_server):
 
     assert asyncio.run(main()), "the killed replica was not replaced within 180 s"
     assert ray_server.health() == 200
+
+
+def test_the_health_check_fails_once_the_replicas_engine_loop_dies(chat_model_dir):  # noqa: F811
+    """What Ray's health check runs on a replica: fine while the engine loop
+    lives, an error once it has died (Ray then replaces the replica)."""
+    from fastapi.testclient import TestClient
+
+    from skipdecode.server import ServerConfig, build_app
+    from skipdecode.server.ray_app import check_replica
+
+    app = build_app(ServerConfig(model=str(chat_model_dir), served_model_name="tiny"), load_in_background=False)
+    with TestClient(app) as tc:
+        state = app.state.skipdecode
+        check_replica(state)
+        state.llm.model.decode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated kernel failure"))
+        tc.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
+        with pytest.raises(RuntimeError, match="engine loop not alive.*simulated kernel failure"):
+            check_replica(state)

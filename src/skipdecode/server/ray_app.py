@@ -42,6 +42,14 @@ class _ReplicaHeaders:
         return await self.app(scope, receive, send_with_header)
 
 
+def check_replica(state) -> None:
+    """Ray's health check of one replica (a ``ServerState``): raising marks it
+    unhealthy and Ray replaces it."""
+    if state.aengine is None or not state.aengine.alive:
+        why = state.load_error or (state.aengine.error if state.aengine is not None else "not started")
+        raise RuntimeError(f"skipdecode engine loop not alive: {why!r}")
+
+
 def deployment(config: ServerConfig, num_replicas: int | None = 1, autoscale: tuple[int, int] | None = None,
                replica_cpus: float = 1.0):
     """The Ray Serve application: ``serve.run(deployment(...))``."""
@@ -72,9 +80,7 @@ def deployment(config: ServerConfig, num_replicas: int | None = 1, autoscale: tu
     class SkipdecodeReplica:
         def check_health(self) -> None:
             """Ray's health check: a replica whose engine loop stopped is replaced."""
-            state = self._asgi_app.state.skipdecode
-            if state.aengine is None or not state.aengine.alive:
-                raise RuntimeError(f"skipdecode engine not alive: {state.load_error or state.aengine and state.aengine.error}")
+            check_replica(self._asgi_app.state.skipdecode)
 
     return SkipdecodeReplica.bind()
 
