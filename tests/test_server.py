@@ -293,3 +293,18 @@ def test_health_is_503_while_the_model_loads(chat_model_dir, monkeypatch):
                 break
             time.sleep(0.1)
         assert tc.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3}).status_code == 200
+
+
+def test_a_stream_whose_engine_dies_ends_with_an_error_event(chat_model_dir):
+    from fastapi.testclient import TestClient
+
+    from skipdecode.server import ServerConfig, build_app
+
+    app = build_app(ServerConfig(model=str(chat_model_dir), served_model_name=NAME), load_in_background=False)
+    with TestClient(app) as tc:
+        app.state.skipdecode.llm.model.decode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        r = tc.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 5, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "service_unavailable" and "engine loop" in err["message"]

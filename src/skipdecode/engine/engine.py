@@ -23,7 +23,7 @@ from ..model import Transformer
 from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
 from .prefix_cache import PrefixCache
-from .request import EngineError, Request, RequestOutput, RequestState, SamplingParams, Status
+from .request import EngineDeadError, EngineError, Request, RequestOutput, RequestState, SamplingParams, Status
 from .runner import ModelRunner
 from .sampler import sample_rows
 from .scheduler import Scheduler, SchedulerConfig
@@ -306,15 +306,15 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - a dead loop must fail every waiter, not hang them
             self.error = e
             for loop, q in list(self._queues.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineError(f"the engine loop failed: {e!r}"))
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"the engine loop failed: {e!r}"))
             with self._lock:
                 for req, loop, q in self._inbox:
-                    loop.call_soon_threadsafe(q.put_nowait, EngineError(f"the engine loop failed: {e!r}"))
+                    loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"the engine loop failed: {e!r}"))
                 self._inbox = []
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         if not self.alive:
-            raise EngineError("the engine loop is not running")
+            raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._wake:

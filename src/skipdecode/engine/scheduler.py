@@ -90,6 +90,15 @@ class Scheduler:
 
     def check_fits(self, st: RequestState) -> None:
         """A request that could never be admitted is an error now, not a hang later."""
+        self.check_capacity(st)
+        if self.config.policy == "shared" and _skips(st):
+            kinds = {_kind(o.request.schedule) for o in self.running + list(self.waiting) if _skips(o)}
+            if kinds and kinds != {_kind(st.request.schedule)}:
+                raise EngineError("the shared policy runs one layer set per step: every request that skips needs "
+                                  "the same mode and warm-up layers; use the per_row policy to mix them")
+
+    def check_capacity(self, st: RequestState) -> None:
+        """Whether the request fits the empty pool; reads no queue, so any thread may call it."""
         needs = self.needs(st)
         if not self.pool.fits_empty(needs):
             worst = max(range(len(needs)), key=lambda l: needs[l] - self.pool.capacities[l])
@@ -97,11 +106,6 @@ class Scheduler:
                 f"request {st.request_id!r} needs {needs[worst]} KV slots at layer {worst} "
                 f"({st.prompt_len} prompt tokens + up to {st.request.max_new_tokens - 1} fed back) but the pool "
                 f"holds {self.pool.capacities[worst]}: shorten the prompt, lower max_new_tokens or enlarge the pool")
-        if self.config.policy == "shared" and _skips(st):
-            kinds = {_kind(o.request.schedule) for o in self.running + list(self.waiting) if _skips(o)}
-            if kinds and kinds != {_kind(st.request.schedule)}:
-                raise EngineError("the shared policy runs one layer set per step: every request that skips needs "
-                                  "the same mode and warm-up layers; use the per_row policy to mix them")
 
     def add(self, st: RequestState) -> None:
         self.check_fits(st)

@@ -13,6 +13,7 @@ frees its KV. Every error has OpenAI's shape
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -26,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..engine import AsyncEngine, EngineConfig, EngineError, RequestOutput
+from ..engine import AsyncEngine, EngineConfig, EngineDeadError, EngineError, RequestOutput
 from ..errors import SkipDecodeError
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
@@ -182,7 +183,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         if key is None:
             return
         auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {key}":
+        if not hmac.compare_digest(auth.encode(), f"Bearer {key}".encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -234,7 +235,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                               mode=body.mode, temperature=body.temperature, top_k=body.top_k,
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
                               request_id=f"{uuid.uuid4().hex}")
-            eng.scheduler.check_fits(_Probe(req))
+            eng.scheduler.check_capacity(_Probe(req))  # the rest is checked by the engine thread
         except EngineError as e:
             code = "context_length_exceeded" if "KV slots" in str(e) else None
             raise APIError(400, str(e), code=code) from None
@@ -254,8 +255,10 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                     finished = True
                     state.metrics.finished(out)
                 yield out
-        except EngineError as e:
+        except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from None
+        except EngineError as e:  # refused at admission by the engine thread
+            raise APIError(400, str(e)) from None
         finally:
             state.in_flight -= 1
             if not finished:
@@ -314,13 +317,16 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
 
         if kind == "chat":
             yield sse(chunk("", None, first=True))
-        async for out in run(req):
-            if out.finished:
-                yield sse(chunk(out.text_delta, finish_reason(out), out))
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    yield sse(dict(base, choices=[], usage=usage(prompt_len, out)))
-            elif out.text_delta:
-                yield sse(chunk(out.text_delta, None))
+        try:
+            async for out in run(req):
+                if out.finished:
+                    yield sse(chunk(out.text_delta, finish_reason(out), out))
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        yield sse(dict(base, choices=[], usage=usage(prompt_len, out)))
+                elif out.text_delta:
+                    yield sse(chunk(out.text_delta, None))
+        except APIError as e:  # the status line is gone: the error travels as an event, as vLLM does
+            yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
