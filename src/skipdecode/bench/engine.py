@@ -144,7 +144,8 @@ def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: s
             runs.append(m)
             log(f"rate {m['rate']:>10} {system:<10} {w:<5} {m['tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
                 f"{m['ttft_p50_s']:.2f}/{m['ttft_p99_s']:.2f} s  TPOT p50/p99 {m['tpot_p50_ms']:.0f}/"
-                f"{m['tpot_p99_ms']:.0f} ms  rows {m['mean_decode_rows']:.1f}  speedup {m['mean_decode_layer_speedup']:.2f}"
+                f"{m['tpot_p99_ms']:.0f} ms  rows {m['mean_decode_rows']:.1f}  "
+                f"speedup {m['mean_decode_layer_speedup']:.2f}"
                 f" (asked {m['mean_asked_speedup']:.2f}, exact {m['exact_schedule_fraction']:.0%})")
     settings = {"model": model, "requests_per_run": N, "rates_per_s": [r if r != float("inf") else "saturation"
                                                                        for r in rates],

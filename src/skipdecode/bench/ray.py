@@ -77,7 +77,8 @@ def render_markdown(report: dict) -> str:
              f"- Model `{s['model']}` at {s['speedup']:g}x, greedy, up to {s['max_tokens']} new tokens; "
              f"{s['requests_per_run']} E2E chat requests per run (each run its own MRs), streamed by the openai "
              "async client through Ray Serve's HTTP proxy; Poisson arrivals, `saturation` = all at once.",
-             "", "| layout | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |", "|---|---|---|---|---|"]
+             "", "| layout | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |",
+             "|---|---|---|---|---|"]
     for r in report["runs"]:
         lines.append(f"| {r['layout']} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |")

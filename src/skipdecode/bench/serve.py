@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
-import shutil
 import subprocess
 import sys
 import time
@@ -226,7 +224,8 @@ def render_markdown(report: dict) -> str:
     ]
     if s.get("vllm_note"):
         lines += [f"- {s['vllm_note']}"]
-    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |", "|---|---|---|---|---|"]
+    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |",
+              "|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['system']} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |")

@@ -7,5 +7,6 @@ from .prefix_cache import PrefixCache
 from .request import EngineDeadError, EngineError, Request, RequestOutput, RequestState, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineError", "KVPool", "PrefixCache", "Request", "RequestOutput",
-           "RequestState", "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan", "layer_needs", "pool_for"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineError", "KVPool", "PrefixCache",
+           "Request", "RequestOutput", "RequestState", "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan",
+           "layer_needs", "pool_for"]
