@@ -155,10 +155,6 @@ class Engine:
             return []
         ready: list[tuple[RequestState, torch.Tensor]] = []  # (request, logits of its next token)
         t0 = time.perf_counter()
-        for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
-            self.counters["prompt_tokens_cached"] += st.cached_prefix
-            self.prefix_cache.load(st.request.prompt_token_ids, st.cached_prefix, self.pool.k, self.pool.v,
-                                   st.reservation.starts)
         if plan.decode:
             logits = self.runner.decode(plan)
             for st, b, row in zip(plan.decode, plan.budgets, logits):
@@ -168,6 +164,10 @@ class Engine:
             self.counters["decode_rows"] += len(plan.decode)
             self.counters["decode_layers"] += sum(n for n, _ in plan.layers)
         t1 = time.perf_counter()
+        for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
+            self.counters["prompt_tokens_cached"] += st.cached_prefix
+            self.prefix_cache.load(st.request.prompt_token_ids, st.cached_prefix, self.pool.k, self.pool.v,
+                                   st.reservation.starts)
         for st, start, end in plan.prefill:
             last = self.runner.prefill(st, start, end)
             st.prefilled = end
