@@ -69,21 +69,23 @@ def generate_tokens(
     base = sampling.seed
     if not sampling.greedy and base is None:
         base = torch.seed() % 2**62
-    lens = [len(p) for p in prompts]
-    news = [max_new_tokens if isinstance(max_new_tokens, int) and max_new_tokens >= 1 else 1] * len(prompts)
-    L = model.cfg.n_layers
-    cfg = EngineConfig(max_num_seqs=len(prompts), max_prefill_tokens=max(sum(lens), 1),
-                       kv_slots=pool_for([s if s.num_layers == L else SkipSchedule.full_depth(L) for s in scheds],
-                                         lens, news), policy=policy)
-    engine = Engine(model, cfg, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
+    # validate every request first (a one-slot engine), then size the pool to hold them all exactly
+    probe = Engine(model, EngineConfig(kv_slots=1), tokenizer=tokenizer)
+    requests = []
     for r, (p, s) in enumerate(zip(prompts, scheds)):
         row_sampling = sampling if sampling.greedy else Sampling(sampling.temperature, sampling.top_k,
                                                                  sampling.top_p, base + r)
         try:
-            engine.add_request(p, schedule=s, max_new_tokens=max_new_tokens, sampling=row_sampling,
-                               stop=stop, request_id=str(r))
+            requests.append(probe.make_request(p, s, max_new_tokens, row_sampling, stop, request_id=str(r)))
         except EngineError as e:
             raise GenerationError(f"prompt {r}: {e}") from None
+    lens = [len(q.prompt_token_ids) for q in requests]
+    cfg = EngineConfig(max_num_seqs=len(prompts), max_prefill_tokens=sum(lens), policy=policy,
+                       kv_slots=pool_for([q.schedule for q in requests], lens, [max_new_tokens] * len(requests)))
+    engine = Engine(model, cfg, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
+    for q in requests:
+        engine.add(q)
+    L = model.cfg.n_layers
     kv_bytes = engine.pool.nbytes
     kv_full = engine.pool.slot_bytes * L * sum(n + max_new_tokens - 1 for n in lens)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .kv_cache import KVPool, layer_needs
-from .request import EngineError, RequestState, Status
+from .request import EngineError, Request, RequestState, Status
 
 POLICIES = ("per_row", "shared")
 
@@ -84,27 +84,26 @@ class Scheduler:
         self.running: list[RequestState] = []
 
     # -- requests --------------------------------------------------------------
-    def needs(self, st: RequestState) -> list[int]:
-        r = st.request
-        return layer_needs(r.schedule, st.prompt_len, r.max_new_tokens)
+    def needs(self, r: Request) -> list[int]:
+        return layer_needs(r.schedule, len(r.prompt_token_ids), r.max_new_tokens)
 
     def check_fits(self, st: RequestState) -> None:
         """A request that could never be admitted is an error now, not a hang later."""
-        self.check_capacity(st)
+        self.check_capacity(st.request)
         if self.config.policy == "shared" and _skips(st):
             kinds = {_kind(o.request.schedule) for o in self.running + list(self.waiting) if _skips(o)}
             if kinds and kinds != {_kind(st.request.schedule)}:
                 raise EngineError("the shared policy runs one layer set per step: every request that skips needs "
                                   "the same mode and warm-up layers; use the per_row policy to mix them")
 
-    def check_capacity(self, st: RequestState) -> None:
+    def check_capacity(self, r: Request) -> None:
         """Whether the request fits the empty pool; reads no queue, so any thread may call it."""
-        needs = self.needs(st)
+        needs = self.needs(r)
         if not self.pool.fits_empty(needs):
             worst = max(range(len(needs)), key=lambda l: needs[l] - self.pool.capacities[l])
             raise EngineError(
-                f"request {st.request_id!r} needs {needs[worst]} KV slots at layer {worst} "
-                f"({st.prompt_len} prompt tokens + up to {st.request.max_new_tokens - 1} fed back) but the pool "
+                f"request {r.request_id!r} needs {needs[worst]} KV slots at layer {worst} "
+                f"({len(r.prompt_token_ids)} prompt tokens + up to {r.max_new_tokens - 1} fed back) but the pool "
                 f"holds {self.pool.capacities[worst]}: shorten the prompt, lower max_new_tokens or enlarge the pool")
 
     def add(self, st: RequestState) -> None:
@@ -130,7 +129,7 @@ class Scheduler:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_num_seqs:  # first come, first served
             st = self.waiting[0]
-            res = self.pool.reserve(self.needs(st))
+            res = self.pool.reserve(self.needs(st.request))
             if res is None:
                 break  # the head waits for KV; nobody overtakes it
             self.waiting.popleft()

@@ -235,7 +235,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                               mode=body.mode, temperature=body.temperature, top_k=body.top_k,
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
                               request_id=f"{uuid.uuid4().hex}")
-            eng.scheduler.check_capacity(_Probe(req))  # the rest is checked by the engine thread
+            eng.scheduler.check_capacity(req)  # the rest is checked by the engine thread
         except EngineError as e:
             code = "context_length_exceeded" if "KV slots" in str(e) else None
             raise APIError(400, str(e), code=code) from None
@@ -375,11 +375,3 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
 
     return app
 
-
-class _Probe:
-    """The part of a request state ``Scheduler.check_fits`` reads."""
-
-    def __init__(self, req):
-        self.request = req
-        self.request_id = req.request_id
-        self.prompt_len = len(req.prompt_token_ids)
