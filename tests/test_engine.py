@@ -304,3 +304,20 @@ def test_sampling_is_finite_for_huge_logits():
     g = torch.Generator().manual_seed(0)
     picks = {int(sample(logits, SamplingParams(temperature=0.5, seed=0), [g])) for _ in range(50)}
     assert picks <= {0, 2} and picks
+
+
+def test_a_burst_of_prompts_sharing_a_preamble_computes_it_once_per_step(deep):
+    """All arriving at once, with room for one prompt (and a bit) per step: only the first
+    computes the shared preamble; every later one copies it, since its prefix
+    is looked up when its own first chunk runs."""
+    _, model = deep
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randint(3, VOCAB, (32,), generator=g).tolist()
+    prompts = [pre + torch.randint(3, VOCAB, (8,), generator=g).tolist() for _ in range(6)]
+    eng = Engine(model, EngineConfig(kv_slots=1024, max_prefill_tokens=50))  # 10 tokens left: not a prompt
+    for r, p in enumerate(prompts):
+        eng.add_request(p, max_new_tokens=3, request_id=str(r))
+    done = {o.request_id: o for o in eng.run()}
+    assert eng.counters["prompt_tokens_cached"] == 5 * 32
+    for r, p in enumerate(prompts):
+        assert done[str(r)].token_ids == _alone(model, p, _sched(1, 3), 3)[0]

@@ -138,15 +138,15 @@ class Scheduler:
             plan.admitted.append(st)
 
         budget = cfg.max_prefill_tokens
-        for st in self.running:
+        for st in self.running:  # prompts in admission order; a later one never overtakes an unfinished one
             if st.status is not Status.PREFILL:
                 continue
-            if st.cached_prefix is None:  # looked up when its prompt starts, so it sees every prompt done before
-                st.cached_prefix = self.prefix_lookup(st.request.prompt_token_ids) if self.prefix_lookup else 0
-                st.prefilled = st.cached_prefix
-                if st.cached_prefix:
-                    plan.cached.append(st)
-            pos = st.prefilled
+            first = st.cached_prefix is None
+            # a prompt's cached prefix is looked up when its first chunk runs, so it
+            # sees the prefixes of every prompt that finished before
+            start = (self.prefix_lookup(st.request.prompt_token_ids) if self.prefix_lookup else 0) if first \
+                else st.prefilled
+            pos = start
             while pos < st.prompt_len:
                 end = min(st.prompt_len, (pos // cfg.prefill_chunk + 1) * cfg.prefill_chunk)
                 if end - pos > budget and plan.prefill:
@@ -154,7 +154,11 @@ class Scheduler:
                 plan.prefill.append((st, pos, end))
                 budget -= end - pos
                 pos = end
-            if budget <= 0:
+            if first and pos > start:
+                st.cached_prefix = st.prefilled = start
+                if start:
+                    plan.cached.append(st)
+            if pos < st.prompt_len or budget <= 0:
                 break
 
         rows = [st for st in self.running if st.status is Status.DECODE]
