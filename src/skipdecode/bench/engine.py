@@ -133,11 +133,11 @@ def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: s
         warm.add(llm.request(warm, prompts[0], speedup=sp, max_new_tokens=8))
     warm.run()
     runs = []
+    probe = llm.engine(EngineConfig(kv_slots=1))  # only validates the requests; each run gets its own engine
     for rate in rates:
         arr = _arrivals(N, rate, seed)
         for system, w in plan:
-            eng = llm.engine()  # only to build validated requests
-            reqs = [llm.request(eng, p, speedup=sp, max_new_tokens=max_new_tokens, request_id=str(r))
+            reqs = [llm.request(probe, p, speedup=sp, max_new_tokens=max_new_tokens, request_id=str(r))
                     for r, (p, sp) in enumerate(zip(prompts, workloads[w]))]
             m = serve(llm, reqs, arr, system, max_num_seqs)
             m.update(system=system, workload=w, rate=rate if rate != float("inf") else "saturation")

@@ -59,7 +59,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self.counters = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "generated_tokens": 0,
-                         "decode_steps": 0, "decode_rows": 0, "decode_layers": 0,
+                         "decode_steps": 0, "decode_rows": 0,
                          "prefill_seconds": 0.0, "decode_seconds": 0.0}
         self._ids = itertools.count()
 
@@ -162,7 +162,6 @@ class Engine:
                 ready.append((st, row))
             self.counters["decode_steps"] += 1
             self.counters["decode_rows"] += len(plan.decode)
-            self.counters["decode_layers"] += sum(n for n, _ in plan.layers)
         t1 = time.perf_counter()
         for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
             self.counters["prompt_tokens_cached"] += st.cached_prefix
@@ -235,16 +234,6 @@ class Engine:
         while self.has_unfinished():
             done += [o for o in self.step() if o.finished]
         return done
-
-    # -- memory ---------------------------------------------------------------------
-    def kv_stats(self) -> dict:
-        """Reserved slots now, and what a schedule-unaware pool (every layer
-        the prompt plus every fed token) would reserve for the same requests."""
-        live = [st for st in self.scheduler.running if st.reservation is not None]
-        reserved = sum(sum(st.reservation.needs) for st in live)
-        unaware = sum((st.prompt_len + max(st.request.max_new_tokens - 1, 0)) * self.num_layers for st in live)
-        return {"pool_slots": sum(self.pool.capacities), "reserved_slots": reserved,
-                "unaware_slots": unaware, "slot_bytes": self.pool.slot_bytes, "pool_bytes": self.pool.nbytes}
 
 
 def pool_for(schedules: Sequence[SkipSchedule], prompt_lens: Sequence[int], max_new_tokens: Sequence[int]

@@ -19,7 +19,6 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (a bug or a failure): not the request's fault."""
 
 
-FINISH_REASONS = ("length", "eos", "stop", "abort")
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
 
 
