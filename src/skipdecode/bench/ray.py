@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from .decode import machine_info
 from .engine import _arrivals
-from .serve import _free_port, _load, _stop, _wait_healthy
+from .serve import _free_port, _load, _start_skipdecode, _stop, _wait_healthy
 
 
 def run_ray_bench(model: str = "default-e2e", out_dir: str | os.PathLike = "benchmarks/results",
@@ -37,9 +35,8 @@ def run_ray_bench(model: str = "default-e2e", out_dir: str | os.PathLike = "benc
     for name, replicas, cpus in layouts:
         port = _free_port()
         log = logs / "bench-ray.log"
-        proc = subprocess.Popen([sys.executable, "-m", "skipdecode.cli", "serve", "--ray", "--model", model,
-                                 "--port", str(port), "--num-replicas", str(replicas), "--replica-cpus", str(cpus),
-                                 "--served-model-name", "bench"], stdout=log.open("w"), stderr=subprocess.STDOUT)
+        proc = _start_skipdecode(model, port, log, "--ray", "--num-replicas", str(replicas),
+                                 "--replica-cpus", str(cpus))
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url, proc, 600, log)

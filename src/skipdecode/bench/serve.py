@@ -103,9 +103,10 @@ async def _load(url: str, model: str, prompts: list[str], arrivals: list[float],
             "tpot_p99_ms": round(1000 * _pct(tpot, 99), 2)}
 
 
-def _start_skipdecode(model: str, port: int, log: Path) -> subprocess.Popen:
+def _start_skipdecode(model: str, port: int, log: Path, *extra: str) -> subprocess.Popen:
+    """``skipdecode serve`` on 127.0.0.1 serving the model as ``bench`` (``extra``: more flags, e.g. ``--ray``)."""
     return subprocess.Popen([sys.executable, "-m", "skipdecode.cli", "serve", "--model", model, "--port", str(port),
-                             "--host", "127.0.0.1", "--served-model-name", "bench", "--log-level", "warning"],
+                             "--host", "127.0.0.1", "--served-model-name", "bench", "--log-level", "warning", *extra],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
