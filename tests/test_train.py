@@ -22,7 +22,7 @@ from skipdecode.checkpoint import (convert_state_dict, export_state_dict, load_m
 from skipdecode.generate import generate_tokens  # noqa: E402
 from skipdecode.schedule import SkipSchedule  # noqa: E402
 from skipdecode.train import (IGNORE, LORA_TARGETS, TrainConfig, TrainError, active_lengths,  # noqa: E402
-                              batch_loss_sum, build_schedules, draw_schedule, global_batch_indices, make_batch,
+                              batch_loss_sum, batch_objective, build_schedules, draw_schedule, global_batch_indices, make_batch,
                               measure_step_time, merge_lora, train)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +119,35 @@ def test_decay_setting_shapes_the_training_schedules():
     assert (steep["2x"].max_exit_layer, steep["2x"].min_exit_layer) == (24, 5)
     assert gentle["2x"].min_exit_layer > steep["2x"].min_exit_layer
     assert gentle["2x"].decode_layer_speedup(29) == pytest.approx(2, rel=0.01)
+
+
+def test_self_distillation_is_kl_from_the_full_depth_pass_of_the_same_model(tmp_path):
+    """The objective is (1 - a) CE + a KL(p_full || p_skipped) per target token, the teacher carries
+    no gradient, and a full-depth batch (nothing to distil) is plain cross-entropy."""
+    net, _ = load_model(make_tiny(tmp_path / "m", vocab=256, layers=8, tokenizer=False))
+    net.requires_grad_(True)
+    sched = SkipSchedule(8, 6, 2, horizon=6, warmup_layers=1)
+    items = [([5, 6, 7, 8], [20, 21, 22, 23, 24]), ([40, 41], [50, 51, 52])]
+    b = make_batch(items, sched)
+    obj, ce = batch_objective(net, b, distill=0.25)
+    assert torch.allclose(ce, batch_loss_sum(net, b))
+    with torch.no_grad():  # the KL by hand, on the 8 target tokens only
+        s = b.t0 - 1
+        keep = b.labels[:, s:].flatten() != IGNORE
+        student = net(b.tokens, b.positions, b.active_len, key_valid=b.key_valid)[:, s:].flatten(0, 1)[keep]
+        teacher = net(b.tokens, b.positions, None, key_valid=b.key_valid)[:, s:].flatten(0, 1)[keep]
+        p_t = teacher.softmax(-1)
+        kl = (p_t * (p_t.log() - student.log_softmax(-1))).sum()
+    assert keep.sum() == b.target_tokens == 8
+    assert kl > 0.1  # skipping changes the distribution of this random model
+    assert torch.allclose(obj, 0.75 * ce + 0.25 * kl, rtol=1e-4)
+    obj.backward()  # the gradient flows through the student only: the teacher ran under no_grad
+    assert all(p.grad is not None for p in net.parameters())
+    full = make_batch(items, SkipSchedule.full_depth(8))
+    o, c = batch_objective(net, full, distill=0.25)
+    assert o is c
+    with pytest.raises(TrainError, match="--distill"):
+        train(TrainConfig(distill=1.5))
 
 
 # -- end to end -------------------------------------------------------------------------------------

@@ -381,7 +381,8 @@ def export_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
-def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None = None) -> Path:
+def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None = None,
+                  config_updates: dict | None = None) -> Path:
     """Write ``net`` into ``out`` as a Hugging Face model directory.
 
     ``source`` is the HF directory the model was loaded from: its config.json,
@@ -400,6 +401,7 @@ def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None 
     cfg = json.loads((Path(source) / "config.json").read_text())
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = "float32"
+    cfg.update(config_updates or {})
     (out / "config.json").unlink(missing_ok=True)
     _atomic_write(out / "model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"}))
     for name in _HF_SIDE_FILES:

@@ -149,6 +149,27 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prune(a: argparse.Namespace) -> int:
+    from .checkpoint import load_model
+    from .data import encode_example, load_task
+    from .policies.static_drop import block_influence, layers_to_drop, save_pruned
+    from .tokenization import load_tokenizer
+
+    if a.calibration < 1:
+        raise SkipDecodeError(f"--calibration must be >= 1, got {a.calibration}")
+    net, path = load_model(a.model)
+    tok = load_tokenizer(path)
+    vg = None if a.val_groups is None else (int(a.val_groups) if a.val_groups >= 1 else a.val_groups)
+    rows = load_task(a.data, val_groups=vg).train[: a.calibration]
+    seqs = [p + t for p, t in (encode_example(tok, ex.prompt, ex.target) for ex in rows)]
+    influence = block_influence(net, seqs)
+    drop = layers_to_drop(influence, a.speedup)
+    save_pruned(net, path, a.output_dir, drop, influence, a.speedup)
+    print(json.dumps({"output_dir": a.output_dir, "num_layers": net.n_layers, "kept": net.n_layers - len(drop),
+                      "dropped_layers": drop, "block_influence": [round(v, 4) for v in influence]}))
+    return 0
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
@@ -274,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="with --ray: autoscale on ongoing requests")
     v.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs (and torch threads) per replica")
     v.set_defaults(func=cmd_serve)
+    r = sub.add_parser("prune", help="static layer drop baseline (ShortGPT block influence): a smaller checkpoint",
+                       description="Remove the layers whose output is most similar to their input (1 - cos, "
+                                   "averaged over calibration text) so round(L / speedup) remain: the same "
+                                   "decode-layer compute as a SkipDecode schedule of that speedup, for every "
+                                   "token. Writes a Hugging Face directory to fine-tune or run like any model.")
+    r.add_argument("--model", default="default")
+    r.add_argument("--data", default="e2e", help="calibration text: e2e | e2e-names | scitldr | FILE.jsonl | FILE.csv")
+    r.add_argument("--speedup", type=float, required=True, help="keep round(L / speedup) layers")
+    r.add_argument("--calibration", type=int, default=64, help="training examples (prompt + target) to measure on")
+    r.add_argument("--val-groups", type=float, default=None,
+                   help="held-out groups kept out of the calibration text, as in train (default 60)")
+    r.add_argument("--output-dir", "-o", required=True)
+    r.set_defaults(func=cmd_prune)
     from .evaluate import add_evaluate_cli
     from .train import add_train_cli
 

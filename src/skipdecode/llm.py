@@ -22,7 +22,7 @@ from .config import ModelError
 from .engine import Engine, EngineConfig, Request, SamplingParams
 from .errors import SkipDecodeError
 from .generate import GenerationError, Sampling, generate_tokens
-from .tokenization import encode_prompt
+from .tokenization import encode_prompt, has_tokenizer, load_tokenizer
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, SkipSchedule
 
@@ -75,11 +75,7 @@ class LLM:
         net, path = load_model(model, _DTYPES[dtype])
         if pack:
             net.pack_for_inference(use_kernels)
-        tokenizer = None
-        if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         eos = list(net.cfg.eos_token_ids)
         gen_cfg = path / "generation_config.json"
         if gen_cfg.is_file():

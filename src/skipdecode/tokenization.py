@@ -8,6 +8,7 @@ tokens is emitted only once it is complete.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from .errors import SkipDecodeError
@@ -15,6 +16,20 @@ from .errors import SkipDecodeError
 
 class TokenizationError(SkipDecodeError):
     """A prompt or tokenizer we cannot use as given."""
+
+
+def has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+
+
+def load_tokenizer(path: Path):
+    """The Hugging Face tokenizer of a model directory; a clear error when it has none."""
+    if not has_tokenizer(path):
+        raise TokenizationError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                                "text in or out needs one")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:

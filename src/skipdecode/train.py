@@ -73,6 +73,7 @@ from .errors import SkipDecodeError
 from .lora import LORA_TARGETS, apply_lora, merge_lora, merge_peft_model, save_adapter  # noqa: F401
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, ScheduleError, SkipSchedule
+from .tokenization import load_tokenizer
 
 IGNORE = -100
 LOG_NAME = "train_log.jsonl"
@@ -83,7 +84,8 @@ FAULT_ENV = "SKIPDECODE_FAULT"  # test seam: "kill_after_step=N" or "kill_in_sav
 _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
-                "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp")
+                "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp", "distill",
+                "distill_temperature")
 
 
 class TrainError(SkipDecodeError):
@@ -102,6 +104,9 @@ class TrainConfig:
     schedule_file: str | None = None  # a fixed schedule instead of --speedups
     mode: str = "skip"
     warmup_layers: int = 1
+    # self-distillation: the same model at full depth (no gradient) teaches each skipped step
+    distill: float = 0.0  # weight of KL(full depth || skipped) on target tokens; 1 - distill on cross-entropy
+    distill_temperature: float = 1.0
     horizon: int | None = None  # default: expected_new_tokens - 1 (SkipSchedule.for_speedup)
     decay: float = DEFAULT_DECAY  # preferred first budget / mean budget of solved schedules (1 = flat)
     expected_new_tokens: int | None = None  # default: median target length of the training data
@@ -219,10 +224,37 @@ def make_batch(items: Sequence[tuple[Sequence[int], Sequence[int]]], schedule: S
 
 def batch_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Summed cross-entropy over the batch's target tokens (the caller normalizes)."""
+    return batch_objective(model, batch)[1]
+
+
+def batch_objective(model: nn.Module, batch: Batch, distill: float = 0.0,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(objective_sum, cross_entropy_sum)`` over the batch's target tokens (the caller normalizes).
+
+    With ``distill > 0`` and a skipping schedule, the same model at full depth,
+    without gradient, is the teacher: the objective is
+    ``(1 - distill) * CE + distill * T^2 * KL(p_full || p_skipped)`` per target
+    token. The skipped pass learns to match what the whole network would say,
+    not only the one reference sentence; a full-depth batch has nothing to
+    distil and trains on cross-entropy alone."""
     s = batch.t0 - 1  # columns before the last prompt token predict nothing we train on
     logits = model(batch.tokens, batch.positions, batch.active_len, key_valid=batch.key_valid, logits_from=s)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels[:, s:].flatten(),
-                           ignore_index=IGNORE, reduction="sum")
+    labels = batch.labels[:, s:].flatten()
+    flat = logits.flatten(0, 1).float()
+    ce = F.cross_entropy(flat, labels, ignore_index=IGNORE, reduction="sum")
+    if distill <= 0 or batch.active_len is None:
+        return ce, ce
+    keep = labels != IGNORE
+    was = model.training
+    model.train(False)  # the teacher without dropout
+    with torch.no_grad():
+        teacher = model(batch.tokens, batch.positions, None, key_valid=batch.key_valid, logits_from=s)
+    model.train(was)
+    with torch.no_grad():
+        t_logp = F.log_softmax(teacher.flatten(0, 1)[keep].float() / temperature, dim=-1)
+    s_logp = F.log_softmax(flat[keep] / temperature, dim=-1)
+    kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="sum") * temperature ** 2
+    return (1 - distill) * ce + distill * kl, ce
 
 
 # -- data order ------------------------------------------------------------------------------
@@ -500,14 +532,6 @@ def _check_resume(saved: dict, cfg: TrainConfig) -> None:
         raise TrainError(f"cannot resume: settings differ from the checkpointed run ({shown})")
 
 
-def _load_tokenizer(path: Path):
-    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
-        raise TrainError(f"{path} has no tokenizer files; text data needs a tokenizer")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 def build_schedules(cfg: TrainConfig, num_layers: int, expected_new_tokens: int) -> dict[str, SkipSchedule]:
     if cfg.schedule_file:
         s = SkipSchedule.from_file(cfg.schedule_file, num_layers)
@@ -584,6 +608,9 @@ def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
         raise TrainError("--merge merges a LoRA adapter: use it with --lora")
     if cfg.speedups:
         cfg.speedups = [float(s) for s in cfg.speedups]
+    if not 0 <= cfg.distill <= 1 or not cfg.distill_temperature > 0:
+        raise TrainError(f"--distill must be in [0, 1] and --distill-temperature > 0 "
+                         f"(got {cfg.distill}, {cfg.distill_temperature})")
     env = init_distributed()
     try:
         return _train(cfg, env)
@@ -621,7 +648,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     torch.manual_seed(cfg.seed)
     net, path = load_model(cfg.model)
     path = path.resolve()
-    tokenizer = _load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     L = net.cfg.n_layers
     task: TaskData = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.seed)
@@ -705,20 +732,21 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             n_target = sum(len(t) for _, t in global_items)
             n_input = sum(len(p) + len(t) - 1 for p, t in global_items)
             local = global_items[env.rank * per_rank * cfg.grad_accum:(env.rank + 1) * per_rank * cfg.grad_accum]
-            loss_sum = 0.0
+            loss_sum, ce_sum = 0.0, 0.0
             for k, micro in enumerate(_micro_batches(local, cfg.grad_accum)):
                 batch = make_batch(micro, sched, pad_id)
                 sync = env.world == 1 or k == cfg.grad_accum - 1
                 if fsdp:
                     runner.set_requires_gradient_sync(sync)
                 with contextlib.nullcontext() if sync or fsdp else runner.no_sync():
-                    ls = batch_loss_sum(runner, batch)
+                    ls, ce = batch_objective(runner, batch, cfg.distill, cfg.distill_temperature)
                     (ls * (env.world / n_target)).backward()
                 loss_sum += ls.item()
+                ce_sum += ce.item()
             if env.world > 1:
-                t = torch.tensor([loss_sum], dtype=torch.float64)
+                t = torch.tensor([loss_sum, ce_sum], dtype=torch.float64)
                 torch.distributed.all_reduce(t)
-                loss_sum = t.item()
+                loss_sum, ce_sum = t.tolist()
             loss = loss_sum / n_target
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
             grad_norm = None if grad_norm is None else _full(grad_norm)
@@ -730,7 +758,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             losses.append(loss)
             dt = time.perf_counter() - t_step
             if log_f is not None:
-                rec = {"step": step + 1, "loss": loss, "lr": lr_now, "tokens": n_input, "target_tokens": n_target,
+                rec = {"step": step + 1, "loss": loss, "cross_entropy": ce_sum / n_target, "lr": lr_now, "tokens": n_input, "target_tokens": n_target,
                        "seconds": dt, "schedule_target": label, "budget": [sched.max_exit_layer, sched.min_exit_layer],
                        "grad_norm": None if grad_norm is None else float(grad_norm),
                        "epoch": (step + 1) * cfg.batch_size / len(train_items)}
@@ -822,6 +850,10 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="solved schedules: preferred first budget / mean budget, in [1, 2] (1 = flat; default 1.5)")
     t.add_argument("--expected-new-tokens", type=int, default=None,
                    help="length the schedules are solved for (default: median target length of the data)")
+    t.add_argument("--distill", type=float, default=d.distill,
+                   help="self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
+                        "each skipped step by KL on target tokens; the rest is cross-entropy (default 0)")
+    t.add_argument("--distill-temperature", type=float, default=d.distill_temperature)
     t.add_argument("--lora", action="store_true", help="train LoRA adapters on wqkv, wo, w13, w2 (peft)")
     t.add_argument("--lora-r", type=int, default=d.lora_r)
     t.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
@@ -871,7 +903,7 @@ def cmd_train(a: argparse.Namespace) -> int:
             print(json.dumps(measure_cli(cfg, a.measure_speedup, a.measure_repeats), indent=2))
             return 0
         r = train(cfg)
-    except (TrainError, DataError, ScheduleError, ModelError) as e:
+    except SkipDecodeError as e:
         print(f"skipdecode: error: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) != 0:
@@ -886,7 +918,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dict[str, Any]:
     """Step time at full depth vs ``speedup`` on the first ``batch_size`` training examples."""
     net, path = load_model(cfg.model)
-    tok = _load_tokenizer(path)
+    tok = load_tokenizer(path)
     task = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.seed)
     items, _ = _tokenize(tok, task.train[: cfg.batch_size], cfg.chat, net.cfg.max_position)
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in items))

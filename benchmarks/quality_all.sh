@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every row of the quality table on the name-disjoint E2E split, trained with
+# one recipe (benchmarks/quality_run.sh: LoRA r=32, 300 steps of 16), then
+# benchmarks/results/quality.{json,md,png} (`skipdecode report quality`).
+# Each finished row is skipped on a rerun; a killed row resumes. Several hours
+# on 2 CPU cores. Run from the repository root.
+set -euo pipefail
+export HF_HUB_OFFLINE=1
+BIN=.venv/bin
+R=benchmarks/results
+Q=benchmarks/quality_run.sh
+# the untrained model, for contrast
+[ -f $R/eval-names-untrained.json ] || $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv \
+  --split validation-names --model default --speedups 1,2,3,4,5 --out $R/eval-names-untrained.json
+# the full-depth-only reference: what fine-tuning alone reaches at 1x
+[ -f $R/eval-names-full-only.json ] || $Q names-full-only "" -- --speedups 1
+# SkipDecode, one checkpoint for 1x-5x (the first recipe, already in eval-e2e-names-lora32.json)
+[ -f $R/eval-e2e-names-lora32.json ] || benchmarks/train_e2e_names_lora.sh
+# SkipDecode with self-distillation from its own full-depth pass
+[ -f $R/eval-names-distill.json ] || $Q names-distill "" -- --speedups 1,2,3,4,5 --distill 0.5
+# early exit with the same monotone budgets, trained the same way
+[ -f $R/eval-names-early-exit.json ] || $Q names-early-exit "--mode early_exit" -- --speedups 1,2,3,4,5 \
+  --mode early_exit
+# static layer drop (ShortGPT), one pruned model per speedup, fine-tuned at its own (full) depth
+for x in 2 3 5; do
+  [ -f $R/eval-names-drop-${x}x.json ] && continue
+  [ -f runs/drop-${x}x-base/config.json ] || $BIN/skipdecode prune --model default --data e2e-names --speedup $x \
+    -o runs/drop-${x}x-base
+  MODEL=runs/drop-${x}x-base $Q names-drop-${x}x "--speedups 1" -- --speedups 1
+done

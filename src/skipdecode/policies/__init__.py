@@ -1,0 +1,1 @@
+"""Which layers a position runs: SkipDecode's schedules and the baselines they are compared with."""
