@@ -133,7 +133,7 @@ def _no_conversion(monkeypatch):
         raise AssertionError("the GGUF was converted again")
 
     monkeypatch.setattr(g, "load_gguf_checkpoint", fail)
-    monkeypatch.setattr(ckpt.tempfile, "mkdtemp", fail)
+    monkeypatch.setattr(ckpt.atomic, "build_dir", fail)
 
 
 def test_gguf_file_loads_and_converts_once(hf_llama, tmp_path, monkeypatch):

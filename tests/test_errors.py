@@ -30,14 +30,15 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def assert_user_error(capsys, argv, *needles: str, usage: bool = False) -> str:
     """Exit 2, nothing on stdout, one clear message on stderr naming the problem
-    (``usage``: argparse's own ``usage: ... error: ...`` form)."""
+    (``usage``: a flag argparse refused, ``skipdecode VERB: error: ... (see ... --help)``)."""
     code, out, err = run_cli(capsys, *argv)
     assert code == 2, (code, out, err)
     assert "Traceback" not in err + out
     if usage:
-        assert err.startswith("usage: skipdecode generate") and "skipdecode generate: error: " in err
+        assert err.startswith(f"skipdecode {argv[0]}: error: ") and err.endswith("--help)\n"), err
     else:
-        assert err.startswith("skipdecode: error: ") and err.count("\n") == 1, err
+        assert err.startswith("skipdecode: error: "), err
+    assert err.count("\n") == 1, err
     for n in needles:
         assert n in err, f"{n!r} not in {err!r}"
     assert out == ""
@@ -113,13 +114,16 @@ def test_prompt_plus_new_tokens_longer_than_the_context(tiny_packed):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1]"),
-    (["--top-k", "0", "--temperature", "1"], "top_k must be an integer >= 1"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
+    (["--temperature", "-1"], "argument --temperature: must be a number >= 0, got -1"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
+    (["--top-p", "1.5", "--temperature", "1"], "argument --top-p: must be a number in (0, 1], got 1.5"),
+    (["--top-k", "0", "--temperature", "1"], "argument --top-k: must be an integer >= 1, got 0"),
+    (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**63 - 1], got -1"),
+    (["--speedup", "inf"], "argument --speedup: must be a finite number >= 1, got inf"),
 ])
 def test_bad_generation_flags(tiny_cli_dir, capsys, flags, needle):
-    assert_user_error(capsys, ["generate", "--model", str(tiny_cli_dir), *flags, "hello"], needle)
+    assert_user_error(capsys, ["generate", "--model", str(tiny_cli_dir), *flags, "hello"], needle, usage=True)
 
 
 # -- models ----------------------------------------------------------------------

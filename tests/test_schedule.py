@@ -166,7 +166,7 @@ def test_the_largest_possible_speedup_is_reached():
 def test_negative_position_and_zero_expected_tokens_are_errors():
     with pytest.raises(ScheduleError, match="generated position must be >= 0"):
         SkipSchedule(12, 8, 4, horizon=8).budget(-1)
-    with pytest.raises(ScheduleError, match="expected_new_tokens must be >= 1"):
+    with pytest.raises(ScheduleError, match="expected_new_tokens must be an integer >= 1, got 0"):
         SkipSchedule.for_speedup(2.0, 0, 12)
 
 

@@ -91,6 +91,8 @@ def test_prune_cli_writes_a_smaller_model_measured_on_the_data(tmp_path, capsys)
     rep = json.loads(capsys.readouterr().out)
     assert rep["kept"] == 2 and len(rep["dropped_layers"]) == 4 and len(rep["block_influence"]) == 6
     assert load_model(tmp_path / "out")[0].n_layers == 2
-    assert main(["prune", "--model", str(model), "--data", str(data), "--speedup", "3", "--calibration", "0",
-                 "--val-groups", "1", "-o", str(tmp_path / "o2")]) == 2
-    assert "--calibration" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["prune", "--model", str(model), "--data", str(data), "--speedup", "3", "--calibration", "0",
+              "-o", str(tmp_path / "o2")])
+    assert e.value.code == 2
+    assert "argument --calibration: must be an integer >= 1, got 0" in capsys.readouterr().err

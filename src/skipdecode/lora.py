@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import atomic
 from .config import ModelError
 from .model import Transformer
 
@@ -35,10 +36,13 @@ def save_adapter(model: nn.Module, base_path: Path | str, out: Path, meta: dict,
     out.mkdir(parents=True, exist_ok=True)
     for c in model.peft_config.values():
         c.base_model_name_or_path = str(base_path)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    (out / "skipdecode.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    with atomic.temp_dir(out, "adapter") as tmp:  # written aside, moved in with adapter_config.json last
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "skipdecode.json").write_text(json.dumps(meta, indent=2) + "\n")
+        atomic.move_files_into(tmp, out, last=("skipdecode.json", "adapter_config.json"))
     return out
 
 

@@ -16,6 +16,8 @@ may also be a JSON file holding one run's summary, as a report's
 
 from __future__ import annotations
 
+from . import atomic
+
 import argparse
 import json
 from pathlib import Path
@@ -132,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     data = {"title": a.title, "commands": a.command, "training": trains, "reference": a.reference,
             "results": {n: kept(ev["results"], ref) for n, ev in evals.items()},
             "settings": {n: {k: ev[k] for k in ("data", "split", "model", "settings")} for n, ev in evals.items()}}
-    out.with_suffix(".json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    out.with_suffix(".md").write_text(render(a.title, evals, trains, a.command, a.reference))
+    atomic.write_text(out.with_suffix(".json"), json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    atomic.write_text(out.with_suffix(".md"), render(a.title, evals, trains, a.command, a.reference))
     print(f"wrote {out}.json and {out}.md")
     return 0
 

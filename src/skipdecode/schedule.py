@@ -155,8 +155,15 @@ class SkipSchedule:
             raise ScheduleError(f"target speedup must be a number >= 1, got {target!r}")
         if not (isinstance(decay, (int, float)) and 1 <= decay <= 2):
             raise ScheduleError(f"decay must be a number in [1, 2] (first budget / mean budget), got {decay!r}")
-        if expected_new_tokens < 1:
-            raise ScheduleError(f"expected_new_tokens must be >= 1, got {expected_new_tokens}")
+        if isinstance(expected_new_tokens, bool) or not isinstance(expected_new_tokens, int) \
+                or expected_new_tokens < 1:
+            raise ScheduleError(f"expected_new_tokens must be an integer >= 1, got {expected_new_tokens!r}")
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
+            raise ScheduleError(f"horizon must be an integer >= 1, got {horizon!r}")
+        if isinstance(warmup_layers, bool) or not isinstance(warmup_layers, int) or warmup_layers < 0:
+            raise ScheduleError(f"warmup_layers must be an integer >= 0, got {warmup_layers!r}")
+        if mode not in MODES:
+            raise ScheduleError(f"mode must be one of {MODES}, got {mode!r}")
         w = 0 if mode == "early_exit" else warmup_layers
         best_possible = num_layers / (w + 1)
         if target > best_possible + 1e-9:
@@ -247,4 +254,7 @@ def parse_speedups(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"speedups must be numbers like 1,2,3; got {text!r}") from None
     if not vals:
         raise argparse.ArgumentTypeError("give at least one speedup")
+    bad = [v for v in vals if not math.isfinite(v) or v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"each speedup must be a finite number >= 1; got {text!r}")
     return vals

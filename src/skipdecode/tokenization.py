@@ -18,6 +18,17 @@ class TokenizationError(SkipDecodeError):
     """A prompt or tokenizer we cannot use as given."""
 
 
+def check_text(what: str, text: str) -> str:
+    """Text must be valid Unicode that UTF-8 can carry: command-line bytes that are not UTF-8
+    arrive as lone surrogates (and JSON can spell them), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizationError(f"{what} is not valid UTF-8 text (character {e.start} is {text[e.start]!r}); "
+                                "pass it as UTF-8") from None
+    return text
+
+
 def has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
@@ -39,6 +50,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str 
         raise TokenizationError("this model has no tokenizer; pass token ids instead")
     if not isinstance(prompt, str) or not prompt.strip():
         raise TokenizationError("prompt is empty: give some text")
+    check_text("prompt", prompt)
+    if system is not None:
+        check_text("system message", system)
     use_chat = tokenizer.chat_template is not None if chat is None else chat
     if use_chat:
         if tokenizer.chat_template is None:
@@ -53,6 +67,9 @@ def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Token ids of a whole chat (OpenAI-style ``{"role", "content"}`` messages)."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise TokenizationError("this model's tokenizer has no chat template")
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), str):
+            check_text(f"message {i}", m["content"])
     text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -74,6 +74,7 @@ from .lora import LORA_TARGETS, apply_lora, merge_lora, merge_peft_model, save_a
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, ScheduleError, SkipSchedule
 from .tokenization import load_tokenizer
+from .validation import SEED_MAX, check_float, check_int
 
 IGNORE = -100
 LOG_NAME = "train_log.jsonl"
@@ -139,6 +140,41 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+
+    def validate(self) -> "TrainConfig":
+        """Every field typed, finite and in range (the API's one check; the CLI's flags match it)."""
+        E = TrainError
+        for name, lo in (("batch_size", 1), ("grad_accum", 1), ("lora_r", 1), ("lora_alpha", 1),
+                         ("save_every", 0), ("keep_checkpoints", 1), ("eval_examples", 0), ("warmup_layers", 0)):
+            check_int(name, getattr(self, name), lo, error=E)
+        for name in ("steps", "horizon", "expected_new_tokens", "max_length"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1, error=E,
+                          hint=" (leave it unset for the default)" if name != "steps" else
+                          " (leave it unset to train --epochs over the data)")
+        if self.warmup_steps is not None:
+            check_int("warmup_steps", self.warmup_steps, 0, error=E)
+        check_int("seed", self.seed, 0, SEED_MAX - 1, error=E)
+        if self.lr is not None:
+            check_float("lr", self.lr, 0, lo_open=True, error=E)
+        check_float("epochs", self.epochs, 0, lo_open=True, error=E)
+        check_float("weight_decay", self.weight_decay, 0, error=E)
+        check_float("min_lr_ratio", self.min_lr_ratio, 0, 1, error=E)
+        check_float("max_grad_norm", self.max_grad_norm, 0, error=E, hint=" (0 disables clipping)")
+        check_float("lora_dropout", self.lora_dropout, 0, 1, hi_open=True, error=E)
+        check_float("decay", self.decay, 1, 2, error=E)
+        check_float("distill", self.distill, 0, 1, error=E)
+        check_float("distill_temperature", self.distill_temperature, 0, lo_open=True, error=E)
+        if self.val_groups is not None:
+            check_float("val_groups", self.val_groups, 0, lo_open=True, error=E)
+        if self.mode not in ("skip", "early_exit"):
+            raise E(f"mode must be 'skip' or 'early_exit', got {self.mode!r}")
+        if not self.schedule_file:
+            if not isinstance(self.speedups, (list, tuple)) or not self.speedups:
+                raise E("give at least one speedup (e.g. speedups=[1, 2, 3]) or a schedule file")
+            for sp in self.speedups:
+                check_float("each speedup", sp, 1, error=E)
+        return self
 
     def effective_lr(self) -> float:
         return self.lr if self.lr is not None else (5e-4 if self.lora else 1e-4)
@@ -442,9 +478,22 @@ def _load_pt(path: Path) -> Any:
                          "before it") from None
 
 
+def load_state(ckpt: Path) -> dict:
+    """A checkpoint's ``state.json`` (step, seconds, config), or a clear error."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("config"), dict) \
+                or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
+            raise ValueError("step or config missing")
+        return state
+    except (OSError, ValueError) as e:
+        raise TrainError(f"checkpoint {ckpt} has no readable state.json ({e}): delete {ckpt} to resume from "
+                         "the one before it, or pass --overwrite to start again") from None
+
+
 def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, env: DistEnv,
                     fsdp: bool = False) -> dict:
-    state = json.loads((ckpt / "state.json").read_text())
+    state = load_state(ckpt)
     params = dict(model.named_parameters())
     saved = _load_pt(ckpt / "trainable.pt")
     missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
@@ -473,6 +522,21 @@ def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sc
         random.seed(state["step"] * 7919 + env.rank)
         torch.manual_seed(state["step"] * 7919 + env.rank)
     return state
+
+
+# what a run writes into --output-dir (besides tokenizer files): --overwrite removes all of it first
+RUN_OUTPUTS = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors",
+               "skipdecode.json", "generation_config.json", "README.md", LOG_NAME, CKPT_DIR, "merged")
+
+
+def remove_run(out: Path) -> None:
+    """Delete a previous run's outputs, completion markers (config files) first."""
+    for name in RUN_OUTPUTS:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
 
 
 def _finished(out: Path) -> bool:
@@ -601,16 +665,11 @@ def measure_step_time(model: nn.Module, items: list, schedules: dict[str, SkipSc
 
 def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
     """Fine-tune a model with its skip schedule(s); see the module docstring."""
-    cfg = replace(config or TrainConfig(), **overrides)
-    if cfg.batch_size < 1 or cfg.grad_accum < 1:
-        raise TrainError("batch_size and grad_accum must be >= 1")
+    cfg = replace(config or TrainConfig(), **overrides).validate()
     if cfg.merge and not cfg.lora:
         raise TrainError("--merge merges a LoRA adapter: use it with --lora")
     if cfg.speedups:
         cfg.speedups = [float(s) for s in cfg.speedups]
-    if not 0 <= cfg.distill <= 1 or not cfg.distill_temperature > 0:
-        raise TrainError(f"--distill must be in [0, 1] and --distill-temperature > 0 "
-                         f"(got {cfg.distill}, {cfg.distill_temperature})")
     env = init_distributed()
     try:
         return _train(cfg, env)
@@ -633,13 +692,17 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         _say(env, "skipdecode train: --fsdp shards across processes (torchrun); one process trains unsharded")
     log_path = out / LOG_NAME
     if env.main:
-        if not cfg.resume and not cfg.overwrite and (log_path.exists() or checkpoint_dirs(out)):
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"--output-dir {out} is a file: give a directory (new or holding a run)")
+        if cfg.resume and cfg.overwrite:
+            raise TrainError("--resume continues a run and --overwrite discards it: give one of them")
+        if not cfg.resume and not cfg.overwrite and (log_path.exists() or checkpoint_dirs(out)
+                                                     or any((out / f).exists() for f in RUN_OUTPUTS)):
             raise TrainError(f"{out} already holds a training run: pass --resume to continue it "
                              "or --overwrite to start again")
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.overwrite and not cfg.resume:
-            log_path.unlink(missing_ok=True)
-            shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+        if cfg.overwrite:  # the old run goes first: a crash later must not leave it looking complete
+            remove_run(out)
         for stale in (out / CKPT_DIR).glob("*.tmp") if (out / CKPT_DIR).is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # a checkpoint cut short by a kill
     env.barrier()
@@ -685,8 +748,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         if env.main:
             _truncate_log(log_path, 0)
     if ckpts:
-        saved = json.loads((ckpts[-1] / "state.json").read_text())
-        _check_resume(saved["config"], cfg)
+        _check_resume(load_state(ckpts[-1])["config"], cfg)
         state = load_checkpoint(ckpts[-1], model, opt, lr_sched, env, fsdp)
         start, elapsed0, tokens_seen = state["step"], state["seconds"], state["tokens_seen"]
         if env.main:
@@ -821,14 +883,10 @@ def _rank_divergence(model: nn.Module) -> float:
 
 
 # -- command line --------------------------------------------------------------------------------------
-def _val_groups(text: str) -> float:
-    v = float(text)
-    return int(v) if v >= 1 else v
-
-
 def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``train`` verb on the ``skipdecode`` command line."""
     from .schedule import parse_speedups
+    from .validation import NON_NEGATIVE, POSITIVE, SEED, VAL_GROUPS, float_arg
 
     d = TrainConfig()
     t = subparsers.add_parser(
@@ -844,50 +902,50 @@ def add_train_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="schedule targets drawn per batch, e.g. 1,2,3,4,5 (default 1,2,3)")
     s.add_argument("--schedule", dest="schedule_file", help="a fixed schedule JSON file instead")
     t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
-    t.add_argument("--warmup-layers", type=int, default=d.warmup_layers)
-    t.add_argument("--horizon", type=int, default=None, help="decay horizon H (default: expected new tokens - 1)")
-    t.add_argument("--decay", type=float, default=d.decay,
+    t.add_argument("--warmup-layers", type=NON_NEGATIVE, default=d.warmup_layers)
+    t.add_argument("--horizon", type=POSITIVE, default=None, help="decay horizon H (default: expected new tokens - 1)")
+    t.add_argument("--decay", type=float_arg(1, 2), default=d.decay,
                    help="solved schedules: preferred first budget / mean budget, in [1, 2] (1 = flat; default 1.5)")
-    t.add_argument("--expected-new-tokens", type=int, default=None,
+    t.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
                    help="length the schedules are solved for (default: median target length of the data)")
-    t.add_argument("--distill", type=float, default=d.distill,
+    t.add_argument("--distill", type=float_arg(0, 1), default=d.distill,
                    help="self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
                         "each skipped step by KL on target tokens; the rest is cross-entropy (default 0)")
-    t.add_argument("--distill-temperature", type=float, default=d.distill_temperature)
+    t.add_argument("--distill-temperature", type=float_arg(0, lo_open=True), default=d.distill_temperature)
     t.add_argument("--lora", action="store_true", help="train LoRA adapters on wqkv, wo, w13, w2 (peft)")
-    t.add_argument("--lora-r", type=int, default=d.lora_r)
-    t.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
-    t.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    t.add_argument("--lora-r", type=POSITIVE, default=d.lora_r)
+    t.add_argument("--lora-alpha", type=POSITIVE, default=d.lora_alpha)
+    t.add_argument("--lora-dropout", type=float_arg(0, 1, hi_open=True), default=d.lora_dropout)
     t.add_argument("--merge", action="store_true", help="LoRA: also write the merged model to OUTPUT/merged")
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
                         "instead of replicating them (DDP); full fine-tuning")
-    t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
-    t.add_argument("--epochs", type=float, default=d.epochs)
-    t.add_argument("--batch-size", type=int, default=d.batch_size, help="global examples per optimizer step")
-    t.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step and rank")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4, LoRA 5e-4)")
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    t.add_argument("--warmup-steps", type=int, default=None, help="linear LR warm-up (default 5%% of steps)")
-    t.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    t.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
-    t.add_argument("--seed", type=int, default=d.seed)
-    t.add_argument("--max-length", type=int, default=None)
-    t.add_argument("--val-groups", type=_val_groups, default=None,
+    t.add_argument("--steps", type=POSITIVE, default=None, help="optimizer steps (default: --epochs over the data)")
+    t.add_argument("--epochs", type=float_arg(0, lo_open=True), default=d.epochs)
+    t.add_argument("--batch-size", type=POSITIVE, default=d.batch_size, help="global examples per optimizer step")
+    t.add_argument("--grad-accum", type=POSITIVE, default=d.grad_accum, help="micro-batches per step and rank")
+    t.add_argument("--lr", type=float_arg(0, lo_open=True), default=None, help="peak learning rate (default 1e-4, LoRA 5e-4)")
+    t.add_argument("--weight-decay", type=float_arg(0), default=d.weight_decay)
+    t.add_argument("--warmup-steps", type=NON_NEGATIVE, default=None, help="linear LR warm-up (default 5%% of steps)")
+    t.add_argument("--min-lr-ratio", type=float_arg(0, 1), default=d.min_lr_ratio)
+    t.add_argument("--max-grad-norm", type=float_arg(0), default=d.max_grad_norm, help="0 disables clipping")
+    t.add_argument("--seed", type=SEED, default=d.seed)
+    t.add_argument("--max-length", type=POSITIVE, default=None)
+    t.add_argument("--val-groups", type=VAL_GROUPS, default=None,
                    help="held-out groups (E2E MRs; default 60) or a fraction < 1")
     chat = t.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None)
     chat.add_argument("--no-chat", dest="chat", action="store_false")
-    t.add_argument("--eval-examples", type=int, default=d.eval_examples)
-    t.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: never)")
-    t.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    t.add_argument("--eval-examples", type=NON_NEGATIVE, default=d.eval_examples)
+    t.add_argument("--save-every", type=NON_NEGATIVE, default=d.save_every, help="checkpoint every N steps (0: never)")
+    t.add_argument("--keep-checkpoints", type=POSITIVE, default=d.keep_checkpoints)
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     t.add_argument("--overwrite", action="store_true", help="discard a previous run in --output-dir")
     t.add_argument("--no-progress", dest="progress", action="store_false")
     t.add_argument("--measure-step-time", action="store_true",
                    help="only time one training step at full depth vs --measure-speedup on one batch")
-    t.add_argument("--measure-speedup", type=float, default=3.0)
-    t.add_argument("--measure-repeats", type=int, default=3)
+    t.add_argument("--measure-speedup", type=float_arg(1), default=3.0)
+    t.add_argument("--measure-repeats", type=POSITIVE, default=3)
     t.set_defaults(func=cmd_train)
     return t
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
 from .. import __version__
 from ..generate import generate_tokens
 from ..llm import LLM
@@ -207,8 +208,8 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "bench-quick" if quick else "bench"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    (out / f"{name}.md").write_text(render_markdown(report))
+    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    atomic.write_text(out / f"{name}.md", render_markdown(report))
     log(f"wrote {out / name}.json and .md")
     return report
 

@@ -30,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+from .. import atomic
 from ..engine import EngineConfig, layer_needs
 from ..llm import LLM
 from .decode import machine_info
@@ -160,8 +161,8 @@ def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "engine-quick" if quick else "engine"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{name}.md").write_text(render_markdown(report, name))
+    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2) + "\n")
+    atomic.write_text(out / f"{name}.md", render_markdown(report, name))
     plot(report, out / f"{name}.png")
     log(f"wrote {out / name}.json, .md and .png")
     return report
@@ -261,5 +262,5 @@ def plot(report: dict, path: Path) -> None:
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(f"skipdecode engine, {report['settings']['model']}, {report['machine']['cpu']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic.write_file(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)

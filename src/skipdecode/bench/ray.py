@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import atomic
 from .decode import machine_info
 from .engine import _arrivals
 from .serve import _free_port, _load, _start_skipdecode, _stop, _wait_healthy
@@ -59,8 +60,8 @@ def run_ray_bench(model: str = "default-e2e", out_dir: str | os.PathLike = "benc
     report = {"machine": machine_info(), "settings": settings, "runs": runs}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ray.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "ray.md").write_text(render_markdown(report))
+    atomic.write_text(out / "ray.json", json.dumps(report, indent=2) + "\n")
+    atomic.write_text(out / "ray.md", render_markdown(report))
     print(f"wrote {out / 'ray.json'} and .md", flush=True)
     return report
 

@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .. import atomic
 from .decode import machine_info
 from .engine import _arrivals, _pct
 
@@ -200,8 +201,8 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
     report = {"machine": machine_info(), "settings": settings, "runs": results,
               "sustainable_tokens_per_s": summary}
     name = "serve-quick" if quick else "serve"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{name}.md").write_text(render_markdown(report))
+    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2) + "\n")
+    atomic.write_text(out / f"{name}.md", render_markdown(report))
     plot(report, out / f"{name}.png")
     log(f"wrote {out / name}.json, .md and .png")
     return report
@@ -254,5 +255,5 @@ def plot(report: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic.write_file(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
