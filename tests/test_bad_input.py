@@ -282,3 +282,12 @@ def test_an_output_path_that_is_a_file_is_refused_before_any_work(tmp_path, caps
     code, out, err = run(capsys, ["evaluate", "--task", "e2e", "--data", "x.csv", "--out", str(f / "r.json")])
     assert_clean(code, out, err)
     assert code == 2
+
+
+def test_a_stop_given_as_one_string_is_one_stop_string(tiny_cli_dir):
+    from skipdecode.tokenization import Detokenizer
+
+    llm = _llm(tiny_cli_dir)
+    assert Detokenizer(llm.tokenizer, "ab").stops == ["ab"]
+    assert Detokenizer(llm.tokenizer, "").stops == []
+    assert llm.engine().make_request([1, 2, 3], max_new_tokens=4, stop="ab").stop == ("ab",)

@@ -90,7 +90,7 @@ class Detokenizer:
         self._tok = getattr(tokenizer, "_tokenizer", tokenizer)  # the Rust tokenizer under a transformers one
         self._stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
-        self.stops = [s for s in stops if s]
+        self.stops = ([stops] if stops else []) if isinstance(stops, str) else [s for s in stops if s]  # "ab": one stop
         self.raw = ""
         self.sent = 0
         self.stopped = False
