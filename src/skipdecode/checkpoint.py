@@ -442,4 +442,7 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
     net.load_state_dict(sd, strict=not cfg.tie_embeddings, assign=False)
     if cfg.tie_embeddings:
         net.lm_head.weight = net.tok_emb.weight
-    return net.to(dtype).eval().requires_grad_(False), path
+    net = net.to(dtype).eval().requires_grad_(False)
+    if cfg.pos == "rope":
+        net.inv_freq = net.inv_freq.float()  # rotary angles in full precision whatever the weights
+    return net, path

@@ -27,7 +27,8 @@ from .tokenization import encode_prompt, has_tokenizer, load_tokenizer
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, SkipSchedule
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# weight dtype -> the dtype the checkpoint is loaded in (int8 is quantized from fp32 when packed)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32, "float16": torch.float16}
 
 
 @dataclass
@@ -74,8 +75,10 @@ class LLM:
         if dtype not in _DTYPES:
             raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         net, path = load_model(model, _DTYPES[dtype])
+        if dtype == "int8" and not pack:
+            raise ModelError("int8 weights exist only packed for inference: drop pack=False or use another dtype")
         if pack:
-            net.pack_for_inference(use_kernels)
+            net.pack_for_inference(use_kernels, weights=dtype if dtype != "float16" else None)
         tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         eos = list(net.cfg.eos_token_ids)
         gen_cfg = path / "generation_config.json"

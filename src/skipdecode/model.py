@@ -31,42 +31,89 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import dispatch, kernels
 from .config import ModelConfig
 
 
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+
+
 class PackedLinear(nn.Module):
-    """Inference-only linear layer on a weight packed once for decode.
+    """Inference-only linear layer on a weight packed once, in the forms this CPU runs fastest.
 
     A decode step multiplies a handful of rows by every weight, where plain
-    ``F.linear`` reaches about half the memory bandwidth. With the compiled
-    kernels (``skipdecode.kernels``) the weight is stored in 16-column panels
-    for their small-M GEMM; without them, in oneDNN's blocked layout. Either
-    beats ``F.linear`` at batch 1-32 (see benchmarks/results/bench.md). The
-    dense weight is dropped after packing, so memory does not double.
+    ``F.linear`` reaches about half the memory bandwidth. ``weights``:
+
+    - ``float32``: the compiled kernels' 16-column panels (``packed``) and/or
+      oneDNN's blocked layout (``onednn``); per row-count bucket, the form the
+      autotuner measured faster on this machine runs (``dispatch.plan_for``);
+    - ``bfloat16``: oneDNN's bf16 layout (AMX or AVX-512-BF16 where present,
+      fp32 accumulation); plain ``F.linear`` where oneDNN has no bf16;
+    - ``int8``: weight-only int8 with one scale per output channel, dequantized
+      inside torch's int8 GEMM; activations stay bf16. Half the bytes of bf16
+      per decode step, which is memory-bound.
+
+    The dense weight is dropped after packing, so memory does not double.
     """
 
     PACK_BATCH_HINT = 32  # oneDNN: one packing serves batch 1..32 at full speed (measured)
 
-    def __init__(self, linear: nn.Linear, kernel_module=None):
+    def __init__(self, linear: nn.Linear, kernel_module=None, weights: str = "float32", keep_panels: bool = False):
         super().__init__()
+        if weights not in WEIGHT_DTYPES:
+            raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernels = kernel_module  # skipdecode.kernels.load(), or None for oneDNN
+        self.weights = weights
+        self.kernels = kernel_module if weights == "float32" else None
+        self.packed = self.onednn = self.dense = self.qweight = self.scales = None
         w = linear.weight.detach()
-        if self.kernels is not None:
-            self.packed = kernels.pack_weight(w)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, self.PACK_BATCH_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        act = torch.float32 if weights == "float32" else torch.bfloat16
+        if weights == "float32":
+            self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels)
+            if "hand" in self.plan or (keep_panels and self.kernels is not None):  # the fused layer reads them
+                self.packed = kernels.pack_weight(w.float())
+            if "onednn" in self.plan:
+                self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.float(), self.PACK_BATCH_HINT)
+        elif weights == "bfloat16":
+            if dispatch.cpu_features()["onednn_bf16"]:
+                self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), self.PACK_BATCH_HINT)
+            else:
+                self.dense = w.bfloat16().contiguous()
+        elif self.in_features % 32 == 0:  # torch's int8 GEMM reads the reduction dim in blocks of 32
+            self.qweight, self.scales = quantize_int8(w)
+        else:  # a shape it cannot take: the same rounding, held dequantized in bf16
+            q, sc = quantize_int8(w)
+            self.dense = (q.float() * sc.float()[:, None]).bfloat16()
+        self.bias = None if linear.bias is None else linear.bias.detach().to(act)
+
+    def uses_hand(self, rows: int) -> bool:
+        """Whether a call with ``rows`` rows runs the compiled kernels (the fused decode layer needs it)."""
+        return self.packed is not None and (self.onednn is None or self.plan[dispatch.bucket(rows)] == "hand")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
+        if self.qweight is not None:
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.dense is not None:
+            return F.linear(x, self.dense, self.bias)
+        if self.uses_hand(x.numel() // self.in_features):
             return self.kernels.linear(x, self.packed, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``w ~= qweight * scales[:, None]`` (scales in bf16,
+    the activation dtype torch's int8 GEMM takes)."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).bfloat16()
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
 
 
 def can_pack(dtype: torch.dtype, kernel_module=None) -> bool:
-    return dtype == torch.float32 and (kernel_module is not None or torch.backends.mkldnn.is_available())
+    return torch.backends.mkldnn.is_available() or kernel_module is not None
 
 
 class RMSNorm(nn.Module):
@@ -151,14 +198,16 @@ class Block(nn.Module):
         self.w2 = nn.Linear(I, D, bias=cfg.mlp_bias)
         self.kernels = None  # the compiled CPU kernels, set by Transformer.pack_for_inference
         self.fused_decode = False  # one kernel call per decode step, set by Transformer.pack_for_inference
+        self.fuse_plan: tuple[bool, ...] = ()  # per row-count bucket: run the fused call (dispatch.fused_plan)
 
-    def can_fuse_decode(self) -> bool:
+    def can_fuse_decode(self, packed: bool = True) -> bool:
         """Whether ``kernels.decode_block`` implements this layer: pre-norm
-        Llama family (RMSNorm, RoPE, SwiGLU) on packed weights."""
+        Llama family (RMSNorm, RoPE, SwiGLU), with the weights in the kernels' panels."""
         cfg = self.cfg
         return (self.kernels is not None and cfg.pre_norm and cfg.norm == "rms" and cfg.mlp == "swiglu"
                 and cfg.pos == "rope" and cfg.head_dim % 8 == 0
-                and all(isinstance(getattr(self, n), PackedLinear) for n in ("wqkv", "wo", "w13", "w2")))
+                and (not packed or all(isinstance(getattr(self, n), PackedLinear) and getattr(self, n).packed
+                                       is not None for n in ("wqkv", "wo", "w13", "w2"))))
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,7 +298,8 @@ class Block(nn.Module):
         """One position per row ``(R, 1, dim)`` over this layer's KV pool.
         ``next_pool``: the pool of the layer that runs next, which the fused
         path starts pulling into the CPU caches."""
-        if self.fused_decode:  # the same layer as one kernel call (checked in tests/test_kernels.py)
+        if self.fused_decode and self.fuse_plan[dispatch.bucket(x.shape[0])]:
+            # the same layer as one kernel call on the compiled kernels' panels (tests/test_kernels.py)
             a, m = self.attn_norm, self.mlp_norm
             nk, nv = next_pool if next_pool is not None else (None, None)
             return self.kernels.decode_block(
@@ -276,33 +326,50 @@ class Transformer(nn.Module):
         if cfg.pos == "rope":
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.kernels = None  # the compiled CPU kernels, set by pack_for_inference
+        self.weights = "float32"  # the packed weights' dtype, set by pack_for_inference
 
     @property
     def n_layers(self) -> int:
         return self.cfg.n_layers
 
-    def pack_for_inference(self, use_kernels: bool = True) -> "Transformer":
+    def pack_for_inference(self, use_kernels: bool = True, weights: str | None = None) -> "Transformer":
         """Swap every block linear and the LM head for ``PackedLinear``; give
         RMSNorm, RoPE, SwiGLU and decode attention the compiled kernels (no autograd).
 
-        Only for generation: training keeps the plain modules. With
-        ``use_kernels=False`` (or where they cannot be built) the linears run
-        on oneDNN and the rest on plain torch.
+        ``weights``: ``float32``, ``bfloat16`` or ``int8`` (default: the
+        parameters' dtype). Reduced-precision weights run with bf16
+        activations; the remaining parameters (embeddings, norms) become bf16,
+        and the compiled fp32 kernels are not used. Only for generation:
+        training keeps the plain modules. With ``use_kernels=False`` (or where
+        they cannot be built) fp32 linears run on oneDNN and the rest on plain torch.
         """
         dtype = self.lm_head.weight.dtype
-        k = kernels.load() if use_kernels and dtype == torch.float32 else None  # the kernels are fp32
+        weights = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
+        if weights not in WEIGHT_DTYPES:
+            return self  # float16: plain modules
+        k = kernels.load() if use_kernels and weights == "float32" and dtype == torch.float32 else None
         if not can_pack(dtype, k):
             return self
+        names = ("wqkv", "wo", "w13", "w2")
         for block in self.layers:
-            for name in ("wqkv", "wo", "w13", "w2"):
-                setattr(block, name, PackedLinear(getattr(block, name), k))
-        self.lm_head = PackedLinear(self.lm_head, k)
+            block.kernels = k
+            if block.can_fuse_decode(packed=False):
+                block.fuse_plan = dispatch.fused_plan([tuple(getattr(block, n).weight.shape) for n in names], k)
+            fuse = any(block.fuse_plan)
+            for name in names:
+                setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))
+        self.lm_head = PackedLinear(self.lm_head, k, weights)
+        if weights != "float32":
+            with torch.no_grad():
+                for prm in self.parameters():  # embeddings and norms; inv_freq (a buffer) stays fp32
+                    prm.data = prm.data.to(torch.bfloat16)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
         for block in self.layers:
             block.fused_decode = block.can_fuse_decode()
         self.kernels = k
+        self.weights = weights
         return self
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -397,7 +464,7 @@ class Transformer(nn.Module):
             x = self.norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x)
+        return self.lm_head(x).float()  # bf16 activations: sampling and argmax see fp32 logits
 
 
 def attention_mask(T: int, start: int, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:

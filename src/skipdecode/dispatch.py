@@ -1,0 +1,165 @@
+"""Runtime dispatch: which implementation of a linear layer runs, per CPU and row count.
+
+Users' CPUs differ (AVX2 only, AVX-512, AMX), and so does the fastest way to
+multiply a few rows by a weight: the compiled kernels' panels win at one
+row on some machines, oneDNN's blocked layout at 32 on others. Rather than
+guess, each fp32 weight shape is timed once per machine with both forms at
+every row-count bucket; the faster is recorded in
+``$SKIPDECODE_CACHE/autotune.json`` (keyed by CPU, torch version, kernel source
+and thread count) and used from then on. A form that wins no bucket is not
+even kept in memory. bf16 and int8 weights have one form each (oneDNN bf16 on
+AMX / AVX-512-BF16; torch's int8 weight-only GEMM).
+
+``SKIPDECODE_AUTOTUNE=0`` skips the timing and uses the compiled kernels up
+to 8 rows, oneDNN above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first bucket >= M (else the last)
+FORMS = ("hand", "onednn")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def bucket(rows: int) -> int:
+    """Index of the bucket a call with ``rows`` rows belongs to."""
+    for i, b in enumerate(BUCKETS):
+        if rows <= b:
+            return i
+    return len(BUCKETS) - 1
+
+
+@lru_cache(maxsize=1)
+def cpu_features() -> dict:
+    """The CPU model and the ISA extensions that matter for the kernels here."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags],
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+
+
+def default_plan(hand: bool) -> tuple[str, ...]:
+    """Without timing: the compiled kernels up to 8 rows (where they were written to win), oneDNN above."""
+    return tuple("hand" if hand and b <= 8 else "onednn" for b in BUCKETS)
+
+
+def choose(timings: dict[str, Sequence[float]]) -> tuple[str, ...]:
+    """Per bucket, the form with the lowest time (``timings[form][bucket]``); ties keep the first form."""
+    forms = list(timings)
+    return tuple(min(forms, key=lambda f: (timings[f][i], forms.index(f))) for i in range(len(BUCKETS)))
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5) -> dict[str, list[float]]:
+    """Seconds per call of each fp32 form at every bucket's row count, on a random weight of this shape."""
+    from . import kernels
+
+    w = torch.randn(out_features, in_features) * 0.02
+    packed = kernels.pack_weight(w)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    res: dict[str, list[float]] = {f: [] for f in FORMS}
+    for m in BUCKETS:
+        x = torch.randn(m, in_features)
+        n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))  # big shapes: fewer repeats
+        res["hand"].append(_median_time(lambda: kernel_module.linear(x, packed, None, out_features), n))
+        res["onednn"].append(_median_time(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], ""), n))
+    return res
+
+
+def _machine_key(kernel_module) -> str:
+    from . import kernels
+
+    src = hashlib.sha1(kernels._SRC.read_bytes()).hexdigest()[:10]
+    f = cpu_features()
+    return f"{f['cpu']}|torch {torch.__version__}|kernels {src}|threads {torch.get_num_threads()}"
+
+
+def _cache_file() -> Path:
+    from .checkpoint import cache_dir
+
+    return cache_dir() / "autotune.json"
+
+
+_TUNED: dict[tuple[str, int, int], dict] = {}
+
+
+def tune(out_features: int, in_features: int, kernel_module) -> dict:
+    """``{"plan": form per bucket, "seconds": {form: [seconds per bucket]}}`` for an fp32 weight of
+    this shape on this machine: measured once, then read from the cache."""
+    key = _machine_key(kernel_module)
+    shape = f"{out_features}x{in_features}"
+    if (key, out_features, in_features) in _TUNED:
+        return _TUNED[(key, out_features, in_features)]
+    path = _cache_file()
+    try:
+        table = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        table = {}  # a damaged cache is re-measured, never trusted
+    entry = table.get(key, {}).get(shape) if isinstance(table.get(key), dict) else None
+    ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) and set(entry["plan"]) <= set(FORMS) \
+        and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in FORMS)
+    if not ok:
+        timings = time_forms(out_features, in_features, kernel_module)
+        entry = {"plan": list(choose(timings)), "buckets": list(BUCKETS),
+                 "seconds": {f: [round(t, 7) for t in v] for f, v in timings.items()}}
+        table.setdefault(key, {})[shape] = entry
+        try:
+            from . import atomic
+
+            atomic.write_text(path, json.dumps(table, indent=1) + "\n")
+        except OSError:
+            pass  # a read-only cache: the plan still holds for this process
+    _TUNED[(key, out_features, in_features)] = entry
+    return entry
+
+
+def plan_for(out_features: int, in_features: int, kernel_module) -> tuple[str, ...]:
+    """The fp32 form to run at each bucket for a weight of this shape, on this machine."""
+    if kernel_module is None:
+        return tuple("onednn" for _ in BUCKETS)
+    if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
+        return default_plan(True)
+    return tuple(tune(out_features, in_features, kernel_module)["plan"])
+
+
+def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module) -> tuple[bool, ...]:
+    """Per bucket, whether a layer with these linears runs as the compiled kernels' one fused call:
+    where their measured time on the panels is no more than on oneDNN (the fused call does the
+    same GEMMs plus the norms, RoPE and attention without leaving the kernel)."""
+    if kernel_module is None:
+        return tuple(False for _ in BUCKETS)
+    if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
+        return tuple(f == "hand" for f in default_plan(True))
+    t = [tune(o, i, kernel_module)["seconds"] for o, i in shapes]
+    return tuple(sum(x["hand"][b] for x in t) <= sum(x["onednn"][b] for x in t) for b in range(len(BUCKETS)))

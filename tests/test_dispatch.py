@@ -1,0 +1,150 @@
+"""Runtime dispatch: the autotuner picks the form it measured faster, per row-count bucket, and
+caches it per machine; every weight dtype's linear equals its plain-torch reference; bf16 and
+int8 models follow the fp32 model they were packed from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from skipdecode import dispatch, kernels
+from skipdecode.model import PackedLinear, quantize_int8
+
+BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
+needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
+
+
+def test_a_call_uses_the_first_bucket_that_holds_its_rows():
+    assert [dispatch.bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 32, 33, 128, 129, 4096)] == \
+        [0, 1, 2, 2, 3, 3, 4, 5, 6, 7, 7, 7]
+
+
+def test_the_faster_form_wins_each_bucket_and_a_tie_keeps_the_first():
+    n = len(dispatch.BUCKETS)
+    hand = [1.0] * n
+    onednn = [0.5 if i % 2 else 1.0 for i in range(n)]
+    assert dispatch.choose({"hand": hand, "onednn": onednn}) == tuple(
+        "onednn" if i % 2 else "hand" for i in range(n))
+
+
+def test_a_layer_is_fused_where_its_linears_are_faster_on_the_panels_in_sum(monkeypatch):
+    n = len(dispatch.BUCKETS)
+    secs = {(8, 4): {"hand": [1.0] * n, "onednn": [2.0] * n},  # panels win by 1 everywhere
+            (4, 8): {"hand": [1.0] * (n - 1) + [9.0], "onednn": [1.5] * n}}  # ... but lose 7.5 at the last
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "tune", lambda o, i, k: {"seconds": secs[(o, i)]})
+    assert dispatch.fused_plan([(8, 4), (4, 8)], object()) == (True,) * (n - 1) + (False,)
+    assert dispatch.fused_plan([(8, 4)], None) == (False,) * n  # no kernels: nothing to fuse
+
+
+@needs_kernels
+def test_the_autotuner_times_once_per_machine_and_shape_and_keeps_its_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    k = kernels.load()
+    calls = []
+    real = dispatch.time_forms
+    monkeypatch.setattr(dispatch, "time_forms", lambda *a: calls.append(a) or real(*a))
+    plan = dispatch.plan_for(48, 32, k)
+    entry = json.loads((tmp_path / "autotune.json").read_text())
+    (key, shapes), = entry.items()
+    assert dispatch.cpu_features()["cpu"] in key and f"threads {torch.get_num_threads()}" in key
+    rec = shapes["48x32"]
+    assert plan == tuple(rec["plan"]) == dispatch.choose(rec["seconds"])  # the measured faster one
+    assert len(calls) == 1
+    assert dispatch.plan_for(48, 32, k) == plan and len(calls) == 1  # this process: remembered
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    assert dispatch.plan_for(48, 32, k) == plan and len(calls) == 1  # a new process: read from the cache
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    (tmp_path / "autotune.json").write_text("{not json")
+    dispatch.plan_for(48, 32, k)
+    assert len(calls) == 2  # a damaged cache is measured again, not trusted
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
+    assert dispatch.plan_for(48, 32, k) == dispatch.default_plan(True)
+    assert dispatch.plan_for(48, 32, None) == ("onednn",) * len(dispatch.BUCKETS)
+
+
+def test_cpu_features_name_the_cpu_and_only_known_isa_extensions():
+    f = dispatch.cpu_features()
+    assert f["cpu"] and set(f["isa"]) <= set(dispatch.ISA_FLAGS)
+    assert f["torch_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "NO AVX")
+
+
+def _linear(n_out=40, n_in=24, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.3)
+        if bias:
+            lin.bias.normal_(0, 0.3)
+    return lin
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["hand", "onednn"])
+@pytest.mark.parametrize("rows", [1, 5, 40, 200])
+def test_every_fp32_form_equals_f_linear(monkeypatch, form, rows):
+    monkeypatch.setattr(dispatch, "plan_for", lambda o, i, k: (form,) * len(dispatch.BUCKETS))
+    lin = _linear()
+    p = PackedLinear(lin, kernels.load(), "float32")
+    assert (p.packed is not None) == (form == "hand") and (p.onednn is not None) == (form == "onednn")
+    x = torch.randn(rows, 24)
+    torch.testing.assert_close(p(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p(x.view(1, rows, 24)), F.linear(x, lin.weight, lin.bias)[None], rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_bf16_weights_equal_f_linear_in_bf16(rows):
+    lin = _linear()
+    p = PackedLinear(lin, None, "bfloat16")
+    x = torch.randn(rows, 24).bfloat16()
+    want = F.linear(x.float(), lin.weight.bfloat16().float(), lin.bias.bfloat16().float())
+    torch.testing.assert_close(p(x).float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("n_in", [64, 24])
+def test_int8_weights_equal_the_dequantized_weight_in_plain_torch(rows, n_in):
+    """Reduction dims that are multiples of 32 run torch's int8 GEMM on one byte per weight;
+    others (which that GEMM misreads) hold the same rounded weights in bf16."""
+    lin = _linear(n_in=n_in)
+    p = PackedLinear(lin, None, "int8")
+    q, s = quantize_int8(lin.weight)
+    deq = q.float() * s.float()[:, None]
+    assert (deq - lin.weight).abs().max() <= s.float().max() / 2 + 1e-6  # rounding, half a step
+    x = torch.randn(rows, n_in).bfloat16()
+    want = F.linear(x.float(), deq, lin.bias.bfloat16().float())
+    torch.testing.assert_close(p(x).float(), want, rtol=2e-2, atol=3e-2 * n_in / 24)
+    if n_in % 32 == 0:
+        assert p.qweight.dtype == torch.int8 and p.qweight.shape == (40, n_in) and s.shape == (40,)
+        assert p.qweight.element_size() * p.qweight.numel() == 40 * n_in  # one byte per weight
+    else:
+        assert p.qweight is None and p.dense.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
+    """Same tokens in, logits close to fp32 (bf16 activations), greedy agreement on most steps."""
+    from skipdecode import LLM
+
+    ref = LLM.load(tiny_dirs["llama"])
+    low = LLM.load(tiny_dirs["llama"], dtype=dtype)
+    assert all(isinstance(getattr(b, n), PackedLinear) and getattr(b, n).weights == dtype
+               for b in low.model.layers for n in ("wqkv", "wo", "w13", "w2"))
+    assert low.model.inv_freq.dtype == torch.float32  # RoPE frequencies keep full precision
+    tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+    pos = torch.arange(8)[None]
+    with torch.no_grad():
+        a, b = ref.model(tokens, pos), low.model(tokens, pos)
+    assert b.dtype == torch.float32
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel < 0.05, rel
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    assert agree >= 0.75, agree
