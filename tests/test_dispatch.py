@@ -100,13 +100,22 @@ def test_every_fp32_form_equals_f_linear(monkeypatch, form, rows):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("onednn_bf16", [True, False])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_bf16_weights_equal_f_linear_in_bf16(rows):
+def test_bf16_weights_equal_f_linear_on_bf16_rounded_inputs(monkeypatch, rows, onednn_bf16):
+    """fp32 in, fp32 out, the GEMM on bf16 weights and bf16-rounded inputs; where oneDNN has no
+    bf16 (no AVX-512-BF16 / AMX), plain torch on the same bf16 weights."""
+    if onednn_bf16 and not dispatch.cpu_features()["onednn_bf16"]:
+        pytest.skip("oneDNN has no bf16 on this CPU")
+    monkeypatch.setattr(dispatch, "cpu_features", lambda: {"onednn_bf16": onednn_bf16})
     lin = _linear()
     p = PackedLinear(lin, None, "bfloat16")
-    x = torch.randn(rows, 24).bfloat16()
-    want = F.linear(x.float(), lin.weight.bfloat16().float(), lin.bias.bfloat16().float())
-    torch.testing.assert_close(p(x).float(), want, rtol=2e-2, atol=2e-2)
+    assert (p.onednn is not None) == onednn_bf16 and (p.dense is not None) != onednn_bf16
+    x = torch.randn(rows, 24)
+    want = F.linear(x.bfloat16().float(), lin.weight.bfloat16().float(), lin.bias.bfloat16().float())
+    got = p(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -119,9 +128,11 @@ def test_int8_weights_equal_the_dequantized_weight_in_plain_torch(rows, n_in):
     q, s = quantize_int8(lin.weight)
     deq = q.float() * s.float()[:, None]
     assert (deq - lin.weight).abs().max() <= s.float().max() / 2 + 1e-6  # rounding, half a step
-    x = torch.randn(rows, n_in).bfloat16()
-    want = F.linear(x.float(), deq, lin.bias.bfloat16().float())
-    torch.testing.assert_close(p(x).float(), want, rtol=2e-2, atol=3e-2 * n_in / 24)
+    x = torch.randn(rows, n_in)
+    want = F.linear(x.bfloat16().float(), deq, lin.bias.bfloat16().float())
+    got = p(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=3e-2 * n_in / 24)
     if n_in % 32 == 0:
         assert p.qweight.dtype == torch.int8 and p.qweight.shape == (40, n_in) and s.shape == (40,)
         assert p.qweight.element_size() * p.qweight.numel() == 40 * n_in  # one byte per weight
@@ -139,6 +150,8 @@ def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
     assert all(isinstance(getattr(b, n), PackedLinear) and getattr(b, n).weights == dtype
                for b in low.model.layers for n in ("wqkv", "wo", "w13", "w2"))
     assert low.model.inv_freq.dtype == torch.float32  # RoPE frequencies keep full precision
+    assert all(p.dtype == torch.float32 for p in low.model.parameters())  # weight-only: the rest stays fp32
+    assert not any(b.fused_decode for b in low.model.layers)  # the fused layer reads fp32 panels
     tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
     pos = torch.arange(8)[None]
     with torch.no_grad():

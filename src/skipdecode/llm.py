@@ -27,8 +27,9 @@ from .tokenization import encode_prompt, has_tokenizer, load_tokenizer
 from .model import Transformer
 from .schedule import DEFAULT_DECAY, SkipSchedule
 
-# weight dtype -> the dtype the checkpoint is loaded in (int8 is quantized from fp32 when packed)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32, "float16": torch.float16}
+# weight dtype -> the dtype the checkpoint is loaded in: bf16 and int8 are the linears' weights only,
+# rounded from fp32 when packed (activations, norms, embeddings and the KV cache stay fp32)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "int8": torch.float32, "float16": torch.float16}
 
 
 @dataclass
@@ -75,8 +76,8 @@ class LLM:
         if dtype not in _DTYPES:
             raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         net, path = load_model(model, _DTYPES[dtype])
-        if dtype == "int8" and not pack:
-            raise ModelError("int8 weights exist only packed for inference: drop pack=False or use another dtype")
+        if dtype in ("bfloat16", "int8") and not pack:
+            raise ModelError(f"{dtype} weights exist only packed for inference: drop pack=False or use float32")
         if pack:
             net.pack_for_inference(use_kernels, weights=dtype if dtype != "float16" else None)
         tokenizer = load_tokenizer(path) if has_tokenizer(path) else None

@@ -50,8 +50,12 @@ class PackedLinear(nn.Module):
     - ``bfloat16``: oneDNN's bf16 layout (AMX or AVX-512-BF16 where present,
       fp32 accumulation); plain ``F.linear`` where oneDNN has no bf16;
     - ``int8``: weight-only int8 with one scale per output channel, dequantized
-      inside torch's int8 GEMM; activations stay bf16. Half the bytes of bf16
-      per decode step, which is memory-bound.
+      inside torch's int8 GEMM. Half the bytes of bf16 per decode step, which
+      is memory-bound.
+
+    Reduced-precision weights are weight-only: the layer takes and returns the
+    model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
+    RoPE and attention keep their fp32 kernels and the KV pool stays fp32.
 
     The dense weight is dropped after packing, so memory does not double.
     """
@@ -64,10 +68,9 @@ class PackedLinear(nn.Module):
             raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights = weights
-        self.kernels = kernel_module if weights == "float32" else None
+        self.kernels = kernel_module
         self.packed = self.onednn = self.dense = self.qweight = self.scales = None
         w = linear.weight.detach()
-        act = torch.float32 if weights == "float32" else torch.bfloat16
         if weights == "float32":
             self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels)
             if "hand" in self.plan or (keep_panels and self.kernels is not None):  # the fused layer reads them
@@ -84,20 +87,24 @@ class PackedLinear(nn.Module):
         else:  # a shape it cannot take: the same rounding, held dequantized in bf16
             q, sc = quantize_int8(w)
             self.dense = (q.float() * sc.float()[:, None]).bfloat16()
-        self.bias = None if linear.bias is None else linear.bias.detach().to(act)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(
+            torch.float32 if weights == "float32" else torch.bfloat16)
 
     def uses_hand(self, rows: int) -> bool:
         """Whether a call with ``rows`` rows runs the compiled kernels (the fused decode layer needs it)."""
         return self.packed is not None and (self.onednn is None or self.plan[dispatch.bucket(rows)] == "hand")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], self.out_features)
-        if self.dense is not None:
-            return F.linear(x, self.dense, self.bias)
+        if self.weights != "float32":
+            xb = x.to(torch.bfloat16)
+            if self.qweight is not None:
+                y = torch._weight_int8pack_mm(xb.reshape(-1, self.in_features), self.qweight, self.scales)
+                y = (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
+            elif self.dense is not None:
+                y = F.linear(xb, self.dense, self.bias)
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias, "none", [], "")
+            return y.to(x.dtype)
         if self.uses_hand(x.numel() // self.in_features):
             return self.kernels.linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
@@ -337,9 +344,8 @@ class Transformer(nn.Module):
         RMSNorm, RoPE, SwiGLU and decode attention the compiled kernels (no autograd).
 
         ``weights``: ``float32``, ``bfloat16`` or ``int8`` (default: the
-        parameters' dtype). Reduced-precision weights run with bf16
-        activations; the remaining parameters (embeddings, norms) become bf16,
-        and the compiled fp32 kernels are not used. Only for generation:
+        parameters' dtype); reduced precision applies to the linears' weights
+        only (see ``PackedLinear``), everything else stays as loaded. Only for generation:
         training keeps the plain modules. With ``use_kernels=False`` (or where
         they cannot be built) fp32 linears run on oneDNN and the rest on plain torch.
         """
@@ -347,22 +353,18 @@ class Transformer(nn.Module):
         weights = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
         if weights not in WEIGHT_DTYPES:
             return self  # float16: plain modules
-        k = kernels.load() if use_kernels and weights == "float32" and dtype == torch.float32 else None
+        k = kernels.load() if use_kernels and dtype == torch.float32 else None  # the kernels are fp32
         if not can_pack(dtype, k):
             return self
         names = ("wqkv", "wo", "w13", "w2")
         for block in self.layers:
             block.kernels = k
-            if block.can_fuse_decode(packed=False):
+            if weights == "float32" and block.can_fuse_decode(packed=False):
                 block.fuse_plan = dispatch.fused_plan([tuple(getattr(block, n).weight.shape) for n in names], k)
             fuse = any(block.fuse_plan)
             for name in names:
                 setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))
         self.lm_head = PackedLinear(self.lm_head, k, weights)
-        if weights != "float32":
-            with torch.no_grad():
-                for prm in self.parameters():  # embeddings and norms; inv_freq (a buffer) stays fp32
-                    prm.data = prm.data.to(torch.bfloat16)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
