@@ -220,6 +220,10 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
         for key in t_n:
             engine, sp = key.split(":")
             dec = min(t_n[key]) - min(t_1[key])  # best of the repeats: the least disturbed run
+            if dec <= 0:
+                raise RuntimeError(f"{key} at batch {B}: {N} new tokens took no longer than 1 "
+                                   f"({min(t_n[key]):.3f} vs {min(t_1[key]):.3f} s): timing noise exceeds the "
+                                   "decode time; run on a quieter machine or with more --new-tokens")
             ms = dec / (N - 1) * 1000
             sched = schedules[float(sp)] if engine.startswith("skipdecode") else SkipSchedule.full_depth(L)
             rows[key] = {"engine": engine, "batch_size": B, "speedup_target": float(sp),

@@ -30,6 +30,7 @@ from ..schedule import SkipSchedule
 from .decode import machine_info
 
 RESULTS = Path("benchmarks/results")
+REFERENCE = "full-depth fine-tuning"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Row:
     evals: dict[float, str]  # speedup target -> evaluation report (results/...json)
     models: dict[float, str]  # speedup target -> the model that ran it
     mode: str = "skip"
+    static: bool = False  # a pruned model per target, evaluated at its own full depth
 
 
 def quality_rows() -> list[Row]:
@@ -45,14 +47,14 @@ def quality_rows() -> list[Row]:
     every = (1.0, 2.0, 3.0, 4.0, 5.0)
     return [
         Row("untrained", {s: r("names-untrained") for s in every}, {s: "default" for s in every}),
-        Row("full-depth fine-tuning", {1.0: r("names-full-only")}, {1.0: "runs/names-full-only"}),
+        Row(REFERENCE, {1.0: r("names-full-only")}, {1.0: "runs/names-full-only"}),
         Row("SkipDecode", {s: r("e2e-names-lora32") for s in every}, {s: "runs/e2e-names-lora32" for s in every}),
         Row("SkipDecode + self-distillation", {s: r("names-distill") for s in every},
             {s: "runs/names-distill" for s in every}),
         Row("early exit", {s: r("names-early-exit") for s in every}, {s: "runs/names-early-exit" for s in every},
             mode="early_exit"),
         Row("static layer drop (ShortGPT)", {s: r(f"names-drop-{s:g}x") for s in (2.0, 3.0, 5.0)},
-            {s: f"runs/names-drop-{s:g}x" for s in (2.0, 3.0, 5.0)}),
+            {s: f"runs/names-drop-{s:g}x" for s in (2.0, 3.0, 5.0)}, static=True),
     ]
 
 
@@ -75,10 +77,11 @@ def time_generation(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_to
 
 
 def run_quality_bench(out_dir: str | Path = RESULTS, quick: bool = False, new_tokens: int = 32, batch: int = 16,
-                      repeats: int = 3) -> dict[str, Any]:
+                      repeats: int = 3, rows: list[Row] | None = None) -> dict[str, Any]:
     out_dir = Path(out_dir)
-    rows = quality_rows()
-    ref_report = json.loads(Path(rows[1].evals[1.0]).read_text())
+    rows = rows or quality_rows()
+    ref_row = next(r for r in rows if r.name == REFERENCE)
+    ref_report = json.loads(Path(ref_row.evals[1.0]).read_text())
     prompts = [o["prompt"] for o in ref_report["results"][0]["outputs"]]
     if quick:
         prompts, repeats = prompts[:batch], 1
@@ -88,7 +91,7 @@ def run_quality_bench(out_dir: str | Path = RESULTS, quick: bool = False, new_to
     ref_seconds = None
     table = []
     for row in rows:
-        static = row.name.startswith("static")
+        static = row.static
         for target, ev_path in row.evals.items():
             if not Path(ev_path).is_file():
                 print(f"skipdecode bench --quality: {row.name} {target:g}x: no {ev_path} yet, skipped")
@@ -103,7 +106,7 @@ def run_quality_bench(out_dir: str | Path = RESULTS, quick: bool = False, new_to
             llm = loaded[model]
             sched = SkipSchedule.from_dict(res["schedule"], llm.num_layers)
             sec = time_generation(llm, prompts, sched, new_tokens, batch, repeats)
-            if row.name == "full-depth fine-tuning":
+            if row.name == REFERENCE:
                 ref_seconds = sec
             table.append({"method": row.name, "speedup_target": target, "model": model, "mode": row.mode,
                           "num_layers": llm.num_layers, "schedule": res["schedule"],
@@ -111,20 +114,21 @@ def run_quality_bench(out_dir: str | Path = RESULTS, quick: bool = False, new_to
                           "decode_layer_speedup": round(res["decode_layer_speedup"]
                                                         * (ref_layers / llm.num_layers if static else 1), 3),
                           "bleu": res["bleu"], "rougeL": res.get("rougeL"), "bertscore": res.get("bertscore"),
-                          "seconds": round(sec, 3), "eval_report": ev_path})
+                          "seconds": sec, "eval_report": ev_path})
             print(f"{row.name:34s} {target:g}x  BLEU {res['bleu']:.2f}  {sec:.2f} s")
     if ref_seconds is None:
         raise RuntimeError("the full-depth reference was not measured")
     own_1x = {r["method"]: r["bleu"] for r in table if r["speedup_target"] == 1.0}
     for r in table:
         r["wall_clock_speedup"] = round(ref_seconds / r["seconds"], 3)
+        r["seconds"] = round(r["seconds"], 4)
         r["bleu_kept_vs_reference"] = round(r["bleu"] / ref_bleu, 4)
         if r["method"] in own_1x:
             r["bleu_kept_own"] = round(r["bleu"] / own_1x[r["method"]], 4)
     report = {
         "title": "Quality on unseen restaurant names vs measured wall-clock speedup",
         "data": ref_report["data"], "split": ref_report["split"], "n_examples": len(prompts),
-        "reference": {"method": "full-depth fine-tuning", "bleu": ref_bleu, "seconds": round(ref_seconds, 3)},
+        "reference": {"method": REFERENCE, "bleu": ref_bleu, "seconds": round(ref_seconds, 4)},
         "settings": {"new_tokens": new_tokens, "batch": batch, "repeats": repeats, "ignore_eos": True,
                      "threads": torch.get_num_threads(), "torch": torch.__version__,
                      "python": platform.python_version(), "quick": quick},
@@ -174,7 +178,7 @@ def plot(rep: dict, path: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in rep["results"]))
     for name in methods:
         pts = sorted((r["wall_clock_speedup"], r["bleu"]) for r in rep["results"] if r["method"] == name)
-        if name == "full-depth fine-tuning":
+        if name == REFERENCE:
             ax.axhline(pts[0][1], color="grey", ls="--", lw=1, label=f"{name} (1x)")
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
