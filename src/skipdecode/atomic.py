@@ -108,4 +108,6 @@ def move_files_into(src: Path, out: Path, last: tuple[str, ...] = ()) -> None:
     they mark the directory complete for readers."""
     names = sorted(p.name for p in src.iterdir())
     for name in [n for n in names if n not in last] + [n for n in last if n in names]:
+        if (src / name).is_file():
+            os.chmod(src / name, 0o644)  # some writers make 0600 files; a model directory is meant to be shared
         os.replace(src / name, out / name)

@@ -146,7 +146,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.engine:
         from .bench.engine import run_engine_bench
 
-        run_engine_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick, out_dir=a.out_dir)
+        for dt in a.dtype or ["float32"]:
+            run_engine_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick,
+                             out_dir=a.out_dir, dtype=dt)
         return 0
     from .bench import run_bench
 

@@ -115,10 +115,10 @@ def serve(llm: LLM, requests: list, arrivals: list[float], system: str, max_num_
 
 def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
                      rates: list[float] | None = None, n_requests: int | None = None, max_new_tokens: int = 64,
-                     max_num_seqs: int = 32, seed: int = 0) -> dict:
+                     max_num_seqs: int = 32, seed: int = 0, dtype: str = "float32") -> dict:
     from ..data import load_task
 
-    llm = LLM.load(model)
+    llm = LLM.load(model, dtype=dtype)
     items = load_task("e2e").eval_items("validation")
     N = n_requests or (16 if quick else 48)
     rates = rates or ([4.0, float("inf")] if quick else [1.0, 2.0, 4.0, float("inf")])
@@ -148,7 +148,7 @@ def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: s
                 f"{m['tpot_p99_ms']:.0f} ms  rows {m['mean_decode_rows']:.1f}  "
                 f"speedup {m['mean_decode_layer_speedup']:.2f}"
                 f" (asked {m['mean_asked_speedup']:.2f}, exact {m['exact_schedule_fraction']:.0%})")
-    settings = {"model": model, "requests_per_run": N, "rates_per_s": [r if r != float("inf") else "saturation"
+    settings = {"model": model, "dtype": dtype, "requests_per_run": N, "rates_per_s": [r if r != float("inf") else "saturation"
                                                                        for r in rates],
                 "max_new_tokens": max_new_tokens, "max_num_seqs": max_num_seqs, "greedy": True, "eos": True,
                 "prompts": "E2E held-out MRs (validation split by MR), chat template", "seed": seed, "quick": quick,
@@ -160,7 +160,7 @@ def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: s
     report = {"machine": machine_info(), "settings": settings, "runs": runs}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    name = "engine-quick" if quick else "engine"
+    name = ("engine-quick" if quick else "engine") + ("" if dtype == "float32" else f"-{dtype}")
     atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2) + "\n")
     atomic.write_text(out / f"{name}.md", render_markdown(report, name))
     plot(report, out / f"{name}.png")
@@ -183,7 +183,7 @@ def render_markdown(report: dict, name: str = "engine") -> str:
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['platform']}",
         f"- Versions: python {m['python']}, torch {m['torch']}, skipdecode {m['skipdecode']}",
-        f"- Model: `{s['model']}`, fp32, greedy, up to {s['max_new_tokens']} new tokens (ends on EOS); "
+        f"- Model: `{s['model']}`, {s.get('dtype', 'float32')} weights, greedy, up to {s['max_new_tokens']} new tokens (ends on EOS); "
         f"{s['requests_per_run']} requests per run: {s['prompts']} ({s['prompt_tokens_mean']} prompt tokens on "
         f"average); at most {s['max_num_seqs']} running at once; prompt chunks of "
         f"{s['engine']['prefill_chunk']} tokens, {s['engine']['max_prefill_tokens']} per step.",
