@@ -37,7 +37,7 @@ def test_a_layer_is_fused_where_its_linears_are_faster_on_the_panels_in_sum(monk
     secs = {(8, 4): {"hand": [1.0] * n, "onednn": [2.0] * n},  # panels win by 1 everywhere
             (4, 8): {"hand": [1.0] * (n - 1) + [9.0], "onednn": [1.5] * n}}  # ... but lose 7.5 at the last
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
-    monkeypatch.setattr(dispatch, "tune", lambda o, i, k: {"seconds": secs[(o, i)]})
+    monkeypatch.setattr(dispatch, "tune", lambda o, i, k, w="float32": {"seconds": secs[(o, i)]})
     assert dispatch.fused_plan([(8, 4), (4, 8)], object()) == (True,) * (n - 1) + (False,)
     assert dispatch.fused_plan([(8, 4)], None) == (False,) * n  # no kernels: nothing to fuse
 
@@ -50,7 +50,7 @@ def test_the_autotuner_times_once_per_machine_and_shape_and_keeps_its_choice(tmp
     k = kernels.load()
     calls = []
     real = dispatch.time_forms
-    monkeypatch.setattr(dispatch, "time_forms", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(dispatch, "time_forms", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     plan = dispatch.plan_for(48, 32, k)
     entry = json.loads((tmp_path / "autotune.json").read_text())
     (key, shapes), = entry.items()
@@ -90,7 +90,7 @@ def _linear(n_out=40, n_in=24, bias=True, seed=0):
 @pytest.mark.parametrize("form", ["hand", "onednn"])
 @pytest.mark.parametrize("rows", [1, 5, 40, 200])
 def test_every_fp32_form_equals_f_linear(monkeypatch, form, rows):
-    monkeypatch.setattr(dispatch, "plan_for", lambda o, i, k: (form,) * len(dispatch.BUCKETS))
+    monkeypatch.setattr(dispatch, "plan_for", lambda o, i, k, w="float32": (form,) * len(dispatch.BUCKETS))
     lin = _linear()
     p = PackedLinear(lin, kernels.load(), "float32")
     assert (p.packed is not None) == (form == "hand") and (p.onednn is not None) == (form == "onednn")
@@ -98,6 +98,20 @@ def test_every_fp32_form_equals_f_linear(monkeypatch, form, rows):
     torch.testing.assert_close(p(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(p(x.view(1, rows, 24)), F.linear(x, lin.weight, lin.bias)[None], rtol=1e-5,
                                atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_bf16_panels_equal_f_linear_on_the_bf16_weight_exactly_in_fp32(monkeypatch, rows):
+    """bf16 panels widen to fp32 in registers: the result is the fp32 product with the rounded
+    weight, to fp32 accuracy (the input is not rounded)."""
+    monkeypatch.setattr(dispatch, "plan_for", lambda o, i, k, w="float32": ("hand",) * len(dispatch.BUCKETS))
+    lin = _linear()
+    p = PackedLinear(lin, kernels.load(), "bfloat16")
+    assert p.packed.dtype == torch.bfloat16 and p.onednn is None
+    x = torch.randn(rows, 24)
+    want = F.linear(x, lin.weight.bfloat16().float(), lin.bias)
+    torch.testing.assert_close(p(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("onednn_bf16", [True, False])
@@ -151,7 +165,10 @@ def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
                for b in low.model.layers for n in ("wqkv", "wo", "w13", "w2"))
     assert low.model.inv_freq.dtype == torch.float32  # RoPE frequencies keep full precision
     assert all(p.dtype == torch.float32 for p in low.model.parameters())  # weight-only: the rest stays fp32
-    assert not any(b.fused_decode for b in low.model.layers)  # the fused layer reads fp32 panels
+    if dtype == "int8":
+        assert not any(b.fused_decode for b in low.model.layers)  # the fused layer reads fp32 or bf16 panels
+    elif low.model.kernels is not None:  # bf16 panels: the same fused layer, half the weight bytes
+        assert all(b.fused_decode and b.wqkv.packed.dtype == torch.bfloat16 for b in low.model.layers)
     tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
     pos = torch.arange(8)[None]
     with torch.no_grad():

@@ -4,7 +4,7 @@ Users' CPUs differ (AVX2 only, AVX-512, AMX), and so does the fastest way to
 multiply a few rows by a weight: the compiled kernels' panels win at one
 row on some machines, oneDNN's blocked layout at 32 on others. Rather than
 guess, each fp32 weight shape is timed once per machine with both forms at
-every row-count bucket; the faster is recorded in
+every row-count bucket (fp32 and bf16 weights alike); the faster is recorded in
 ``$SKIPDECODE_CACHE/autotune.json`` (keyed by CPU, torch version, kernel source
 and thread count) and used from then on. A form that wins no bucket is not
 even kept in memory. bf16 and int8 weights have one form each (oneDNN bf16 on
@@ -30,6 +30,7 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first bucket >= M (else the last)
 FORMS = ("hand", "onednn")
+COLD_BYTES = 96e6  # more than any last-level cache of a 2-32 core CPU slice: weights come from memory
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -80,20 +81,30 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(out)
 
 
-def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5) -> dict[str, list[float]]:
-    """Seconds per call of each fp32 form at every bucket's row count, on a random weight of this shape."""
+def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5,
+               weights: str = "float32") -> dict[str, list[float]]:
+    """Seconds per call of each form at every bucket's row count, on a random weight of this shape:
+    fp32 activations in and out, the weight in ``weights`` (float32 or bfloat16)."""
     from . import kernels
 
-    w = torch.randn(out_features, in_features) * 0.02
-    packed = kernels.pack_weight(w)
-    blocked = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    dt = torch.bfloat16 if weights == "bfloat16" else torch.float32
+    # A model's weights stream from memory at every step; one weight timed again and again would
+    # sit in the caches and favour the wrong form. Each call takes the next of enough copies to
+    # overflow the last-level cache.
+    w = (torch.randn(out_features, in_features) * 0.02).to(dt)
+    copies = max(1, min(32, int(COLD_BYTES // (w.numel() * w.element_size()))))
+    packed = [kernels.pack_weight(w) for _ in range(copies)]
+    blocked = [torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32) for _ in range(copies)]
     res: dict[str, list[float]] = {f: [] for f in FORMS}
     for m in BUCKETS:
         x = torch.randn(m, in_features)
         n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))  # big shapes: fewer repeats
-        res["hand"].append(_median_time(lambda: kernel_module.linear(x, packed, None, out_features), n))
+        nxt = iter(range(10 ** 9))
+        res["hand"].append(_median_time(
+            lambda: kernel_module.linear(x, packed[next(nxt) % copies], None, out_features), n))
         res["onednn"].append(_median_time(
-            lambda: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], ""), n))
+            lambda: torch.ops.mkldnn._linear_pointwise(x.to(dt), blocked[next(nxt) % copies], None, "none", [],
+                                                       "").float(), n))
     return res
 
 
@@ -111,16 +122,16 @@ def _cache_file() -> Path:
     return cache_dir() / "autotune.json"
 
 
-_TUNED: dict[tuple[str, int, int], dict] = {}
+_TUNED: dict[tuple[str, str], dict] = {}
 
 
-def tune(out_features: int, in_features: int, kernel_module) -> dict:
-    """``{"plan": form per bucket, "seconds": {form: [seconds per bucket]}}`` for an fp32 weight of
-    this shape on this machine: measured once, then read from the cache."""
+def tune(out_features: int, in_features: int, kernel_module, weights: str = "float32") -> dict:
+    """``{"plan": form per bucket, "seconds": {form: [seconds per bucket]}}`` for a weight of this
+    shape and dtype on this machine: measured once, then read from the cache."""
     key = _machine_key(kernel_module)
-    shape = f"{out_features}x{in_features}"
-    if (key, out_features, in_features) in _TUNED:
-        return _TUNED[(key, out_features, in_features)]
+    shape = f"{out_features}x{in_features}" + ("" if weights == "float32" else f" {weights}")
+    if (key, shape) in _TUNED:
+        return _TUNED[(key, shape)]
     path = _cache_file()
     try:
         table = json.loads(path.read_text()) if path.is_file() else {}
@@ -130,7 +141,7 @@ def tune(out_features: int, in_features: int, kernel_module) -> dict:
     ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) and set(entry["plan"]) <= set(FORMS) \
         and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in FORMS)
     if not ok:
-        timings = time_forms(out_features, in_features, kernel_module)
+        timings = time_forms(out_features, in_features, kernel_module, weights=weights)
         entry = {"plan": list(choose(timings)), "buckets": list(BUCKETS),
                  "seconds": {f: [round(t, 7) for t in v] for f, v in timings.items()}}
         table.setdefault(key, {})[shape] = entry
@@ -140,20 +151,20 @@ def tune(out_features: int, in_features: int, kernel_module) -> dict:
             atomic.write_text(path, json.dumps(table, indent=1) + "\n")
         except OSError:
             pass  # a read-only cache: the plan still holds for this process
-    _TUNED[(key, out_features, in_features)] = entry
+    _TUNED[(key, shape)] = entry
     return entry
 
 
-def plan_for(out_features: int, in_features: int, kernel_module) -> tuple[str, ...]:
-    """The fp32 form to run at each bucket for a weight of this shape, on this machine."""
+def plan_for(out_features: int, in_features: int, kernel_module, weights: str = "float32") -> tuple[str, ...]:
+    """The form to run at each bucket for a weight of this shape and dtype, on this machine."""
     if kernel_module is None:
         return tuple("onednn" for _ in BUCKETS)
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return default_plan(True)
-    return tuple(tune(out_features, in_features, kernel_module)["plan"])
+    return tuple(tune(out_features, in_features, kernel_module, weights)["plan"])
 
 
-def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module) -> tuple[bool, ...]:
+def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = "float32") -> tuple[bool, ...]:
     """Per bucket, whether a layer with these linears runs as the compiled kernels' one fused call:
     where their measured time on the panels is no more than on oneDNN (the fused call does the
     same GEMMs plus the norms, RoPE and attention without leaving the kernel)."""
@@ -161,5 +172,5 @@ def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module) -> tuple[bool, 
         return tuple(False for _ in BUCKETS)
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return tuple(f == "hand" for f in default_plan(True))
-    t = [tune(o, i, kernel_module)["seconds"] for o, i in shapes]
+    t = [tune(o, i, kernel_module, weights)["seconds"] for o, i in shapes]
     return tuple(sum(x["hand"][b] for x in t) <= sum(x["onednn"][b] for x in t) for b in range(len(BUCKETS)))

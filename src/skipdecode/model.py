@@ -78,36 +78,41 @@ class PackedLinear(nn.Module):
             if "onednn" in self.plan:
                 self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.float(), self.PACK_BATCH_HINT)
         elif weights == "bfloat16":
-            if dispatch.cpu_features()["onednn_bf16"]:
+            has_dnn = dispatch.cpu_features()["onednn_bf16"]
+            self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels, "bfloat16") \
+                if has_dnn else tuple("hand" for _ in dispatch.BUCKETS)
+            if self.kernels is not None and ("hand" in self.plan or keep_panels):
+                self.packed = kernels.pack_weight(w.bfloat16())
+            if has_dnn and "onednn" in self.plan:
                 self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), self.PACK_BATCH_HINT)
-            else:
+            elif self.packed is None:
                 self.dense = w.bfloat16().contiguous()
         elif self.in_features % 32 == 0:  # torch's int8 GEMM reads the reduction dim in blocks of 32
             self.qweight, self.scales = quantize_int8(w)
         else:  # a shape it cannot take: the same rounding, held dequantized in bf16
             q, sc = quantize_int8(w)
             self.dense = (q.float() * sc.float()[:, None]).bfloat16()
-        self.bias = None if linear.bias is None else linear.bias.detach().to(
-            torch.float32 if weights == "float32" else torch.bfloat16)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()  # the kernels add fp32 bias
+        self.bias_bf16 = None if self.bias is None else self.bias.bfloat16()  # torch's bf16 / int8 GEMMs
 
     def uses_hand(self, rows: int) -> bool:
         """Whether a call with ``rows`` rows runs the compiled kernels (the fused decode layer needs it)."""
         return self.packed is not None and (self.onednn is None or self.plan[dispatch.bucket(rows)] == "hand")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weights != "float32":
-            xb = x.to(torch.bfloat16)
-            if self.qweight is not None:
-                y = torch._weight_int8pack_mm(xb.reshape(-1, self.in_features), self.qweight, self.scales)
-                y = (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
-            elif self.dense is not None:
-                y = F.linear(xb, self.dense, self.bias)
-            else:
-                y = torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias, "none", [], "")
-            return y.to(x.dtype)
-        if self.uses_hand(x.numel() // self.in_features):
+        if self.uses_hand(x.numel() // self.in_features):  # fp32 or bf16 panels, fp32 in and out
             return self.kernels.linear(x, self.packed, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        if self.weights == "float32":
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        xb = x.to(torch.bfloat16)
+        if self.qweight is not None:
+            y = torch._weight_int8pack_mm(xb.reshape(-1, self.in_features), self.qweight, self.scales)
+            y = (y if self.bias_bf16 is None else y + self.bias_bf16).view(*x.shape[:-1], self.out_features)
+        elif self.dense is not None:
+            y = F.linear(xb, self.dense, self.bias_bf16)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias_bf16, "none", [], "")
+        return y.to(x.dtype)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,8 +364,9 @@ class Transformer(nn.Module):
         names = ("wqkv", "wo", "w13", "w2")
         for block in self.layers:
             block.kernels = k
-            if weights == "float32" and block.can_fuse_decode(packed=False):
-                block.fuse_plan = dispatch.fused_plan([tuple(getattr(block, n).weight.shape) for n in names], k)
+            if weights != "int8" and block.can_fuse_decode(packed=False):
+                block.fuse_plan = dispatch.fused_plan([tuple(getattr(block, n).weight.shape) for n in names], k,
+                                                      weights)
             fuse = any(block.fuse_plan)
             for name in names:
                 setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))

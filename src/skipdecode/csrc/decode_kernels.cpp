@@ -25,10 +25,25 @@ constexpr int64_t NR = 16;   // panel width: output columns per micro-kernel (tw
 constexpr int64_t MR = 6;    // rows per micro-kernel: 12 accumulators + 2 weights + 1 broadcast
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
 
+// 16 weights of one panel row as two fp32 vectors: fp32 panels load directly;
+// bf16 panels (uint16) widen to 32 bits and shift into the high half, which is
+// exactly the fp32 value (bf16 is fp32's top 16 bits). Half the bytes per weight
+// for the memory-bound decode step; the FMAs stay fp32.
+static inline void load_w(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+static inline void load_w(const uint16_t* w, __m256& w0, __m256& w1) {
+  const __m128i h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m128i h1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h0), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
+}
+
 // rows x 16 outputs of one panel over one K block. `acc` holds the partial
 // sums between K blocks; on the last block the result (+ bias) goes to y.
-template <int R>
-static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc, bool first,
+template <int R, typename W>
+static inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc, bool first,
                                 bool last, float* y, int64_t ldy, int64_t ncols, const float* bias, const float* res) {
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) {
@@ -41,7 +56,8 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
+    __m256 w0, w1;
+    load_w(w + k * NR, w0, w1);
     for (int r = 0; r < R; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
       a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
@@ -61,7 +77,8 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
 // One row block. The micro-kernels stay plain `static inline`: marked
 // always_inline, GCC 12 stored all 12 accumulators to the stack on every
 // iteration (2.5x slower).
-inline void row_block(int64_t r, const float* x, int64_t K, const float* w, int64_t kc, float* acc, bool first,
+template <typename W>
+inline void row_block(int64_t r, const float* x, int64_t K, const W* w, int64_t kc, float* acc, bool first,
                       bool last, float* y, int64_t N, int64_t ncols, const float* bias, const float* res) {
   switch (r) {
     case 6: return micro_kernel<6>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
@@ -134,11 +151,9 @@ struct Prefetch {
 // as [ceil(N / 16), K, 16] (zero padded). x and y are row-major and must not
 // overlap; res may be y itself (an in-place residual add: each element is read
 // once, just before it is written).
-void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const float* ba, int64_t n, float* ya,
-                 const float* res, const Prefetch& pf = Prefetch()) {
-  const int64_t K = packed.size(1), NP = packed.size(0);
-  const float* wa = packed.data_ptr<float>();
-  if (M == 0) return;
+template <typename W>
+void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* ba, int64_t n,
+                   float* ya, const float* res, const Prefetch& pf) {
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
     for (int64_t p = p0; p < p1; ++p) {
@@ -148,7 +163,7 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const bool first = k0 == 0, last = k0 + kc == K;
-        const float* w = wa + (p * K + k0) * NR;
+        const W* w = wa + (p * K + k0) * NR;
         for (int64_t m = 0; m < M; m += MR) {
           const int64_t r = std::min(MR, M - m);
           row_block(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols, bp,
@@ -159,8 +174,21 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
   });
 }
 
+// fp32 or bf16 panels (the weight's dtype picks the micro-kernel); activations are fp32 either way.
+void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const float* ba, int64_t n, float* ya,
+                 const float* res, const Prefetch& pf = Prefetch()) {
+  const int64_t K = packed.size(1), NP = packed.size(0);
+  if (M == 0) return;
+  if (packed.scalar_type() == torch::kBFloat16)
+    linear_panels(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, ba, n, ya, res,
+                  pf);
+  else
+    linear_panels(xa, M, packed.data_ptr<float>(), K, NP, ba, n, ya, res, pf);
+}
+
 void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::optional<torch::Tensor>& bias) {
-  check(packed.scalar_type() == torch::kFloat, "float32 only");
+  check(packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16,
+        "weight panels must be float32 or bfloat16");
   check(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "weight is not packed");
   check(packed.size(1) == k && (n + NR - 1) / NR == packed.size(0), "shape mismatch");
   if (bias.has_value())
