@@ -58,3 +58,11 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     assert "| SkipDecode | 3x |" in md and "| static | 3x |" in md
     assert (tmp_path / "out" / "quality.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "quality.json").read_text()) == json.loads(json.dumps(rep))
+
+
+def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first_difference():
+    from skipdecode.bench.dtype_parity import agreement
+
+    assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == {"token_agreement": 0.5, "identical_outputs": 0.0}
+    assert agreement([[1, 2], [3]], [[1, 2], [3, 4]]) == {"token_agreement": 1.0, "identical_outputs": 0.5}
+    assert agreement([[5, 6, 7]], [[5]]) == {"token_agreement": round(1 / 3, 4), "identical_outputs": 0.0}

@@ -127,6 +127,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.dtype_parity:
+        from .bench.dtype_parity import run_dtype_parity
+
+        run_dtype_parity(model=a.model if a.model != "default" else "default-e2e", out_dir=a.out_dir)
+        return 0
     if a.quality:
         from .bench.quality import run_quality_bench
 
@@ -284,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--serve", action="store_true",
                    help="skipdecode serve (1x/2x/3x) against vllm serve under Poisson load (default model: "
                         "default-e2e); writes benchmarks/results/serve.{json,md,png}")
+    b.add_argument("--dtype-parity", action="store_true",
+                   help="BLEU and greedy token agreement of bf16 and int8 against fp32 (default model: default-e2e) "
+                        "on the E2E validation split; writes benchmarks/results/dtype-parity.{json,md}")
     b.add_argument("--quality", action="store_true",
                    help="quality vs measured wall-clock speedup of the methods that benchmarks/quality_all.sh "
                         "trained and evaluated; writes benchmarks/results/quality.{json,md,png}")

@@ -124,8 +124,8 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
         res = {"speedup_target": float(sp), "decode_layer_speedup": round(L * fed / ran, 4) if ran else 1.0,
                **scores, "n_examples": len(items), "seconds": round(seconds, 2),
                "new_tokens": sum(o.new_tokens for o in outs), "schedule": sched.to_dict(),
-               "outputs": [{"prompt": it.prompt, "text": h, "references": list(it.references)}
-                           for it, h in zip(items, hyps)]}
+               "outputs": [{"prompt": it.prompt, "text": h, "references": list(it.references),
+                            "token_ids": list(o.token_ids)} for it, h, o in zip(items, hyps, outs)]}
         results.append(res)
         print(f"{task} {sp:g}x: decode-layer speedup {res['decode_layer_speedup']:.2f}  BLEU {scores['bleu']:.2f}  "
               f"ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)", flush=True)

@@ -1,0 +1,54 @@
+"""Quality in every weight dtype (``skipdecode bench --dtype-parity``): the shipped model on the
+E2E validation split, greedy, at 1x-3x, in fp32, bf16 and int8. BLEU against fp32's, and greedy
+token agreement: the share of fp32's generated tokens that the other dtype reproduces at the same
+position before the two first diverge, and the share of outputs that are identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import atomic
+from ..evaluate import evaluate
+from .decode import machine_info
+
+DATA = Path("../shared/data/e2e/devset.csv")
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Prefix agreement of ``b`` with the reference ``a``, over all tokens of ``a``; identical outputs."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+               for ra, rb in zip(a, b))
+    return {"token_agreement": round(same / max(1, sum(len(r) for r in a)), 4),
+            "identical_outputs": round(sum(ra == rb for ra, rb in zip(a, b)) / max(1, len(a)), 4)}
+
+
+def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmarks/results",
+                     speedups: tuple[float, ...] = (1.0, 2.0, 3.0), data: Path = DATA) -> dict[str, Any]:
+    reports = {dt: evaluate("e2e", data, model, list(speedups), split="validation", bertscore=False, dtype=dt)
+               for dt in ("float32", "bfloat16", "int8")}
+    rows = []
+    for dt, rep in reports.items():
+        for res, ref in zip(rep["results"], reports["float32"]["results"]):
+            a = [o["token_ids"] for o in ref["outputs"]]
+            b = [o["token_ids"] for o in res["outputs"]]
+            rows.append({"dtype": dt, "speedup_target": res["speedup_target"], "bleu": res["bleu"],
+                         "bleu_minus_fp32": round(res["bleu"] - ref["bleu"], 3), "rougeL": res["rougeL"],
+                         **agreement(a, b), "n_examples": res["n_examples"]})
+    report = {"model": model, "data": str(data), "split": "validation", "greedy": True,
+              "machine": machine_info(), "command": "skipdecode bench --dtype-parity", "results": rows}
+    out = Path(out_dir)
+    atomic.write_text(out / "dtype-parity.json", json.dumps(report, indent=2) + "\n")
+    lines = ["# Quality in every weight dtype", "",
+             f"`{model}` on the E2E validation split ({rows[0]['n_examples']} MRs, by MR), greedy, multi-reference "
+             "BLEU (sacrebleu). Token agreement: share of fp32's generated tokens reproduced at the same "
+             "position before the first difference. Produced by `skipdecode bench --dtype-parity` on "
+             f"{report['machine']['cpu']}.", "",
+             "| dtype | target | BLEU | BLEU - fp32 | token agreement | identical outputs |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['speedup_target']:g}x | {r['bleu']:.2f} | {r['bleu_minus_fp32']:+.2f} | "
+                     f"{100 * r['token_agreement']:.1f}% | {100 * r['identical_outputs']:.1f}% |")
+    atomic.write_text(out / "dtype-parity.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return report
