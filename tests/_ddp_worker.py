@@ -6,7 +6,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from skipdecode.train import TrainConfig, train
+from skipdecode.training import TrainConfig, train
 
 if __name__ == "__main__":
     import os

@@ -21,9 +21,10 @@ from skipdecode.checkpoint import (convert_state_dict, export_state_dict, load_m
                                    read_state_dict, save_hf_model)
 from skipdecode.generate import generate_tokens  # noqa: E402
 from skipdecode.schedule import SkipSchedule  # noqa: E402
-from skipdecode.train import (IGNORE, LORA_TARGETS, TrainConfig, TrainError, active_lengths,  # noqa: E402
-                              batch_loss_sum, batch_objective, build_schedules, draw_schedule, global_batch_indices, make_batch,
-                              measure_step_time, merge_lora, train)
+from skipdecode.lora import LORA_TARGETS, merge_lora  # noqa: E402
+from skipdecode.training import (IGNORE, TrainConfig, TrainError, active_lengths, batch_loss_sum,  # noqa: E402
+                                 batch_objective, build_schedules, draw_schedule, global_batch_indices, make_batch,
+                                 measure_step_time, train)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,7 +262,7 @@ def test_measure_step_time_reports_ratio_and_work(tmp_path, tiny_text):
     from transformers import AutoTokenizer
 
     from skipdecode.data import encode_example
-    from skipdecode.train import prepare_model
+    from skipdecode.training import prepare_model
 
     net, _ = load_model(tiny_text)
     tok = AutoTokenizer.from_pretrained(tiny_text)

@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _train_helpers import make_tiny, one_thread, write_e2e_csv  # noqa: E402
-from skipdecode.train import TrainConfig, train  # noqa: E402
+from skipdecode.training import TrainConfig, train  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -218,6 +218,104 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_train_cli(subparsers) -> argparse.ArgumentParser:
+    """Register the ``train`` verb on the ``skipdecode`` command line."""
+    from .training.config import TrainConfig
+    from .validation import VAL_GROUPS
+
+    d = TrainConfig()
+    t = subparsers.add_parser(
+        "train", help="skip-aware fine-tuning (full or LoRA) with the inference schedule(s)",
+        description="Teacher-forced fine-tuning where target position i runs exactly the layers of b(i), "
+                    "as at generation. Writes a Hugging Face directory (or a PEFT adapter) to --output-dir.")
+    t.add_argument("--model", default=d.model, help="'default', a local HF directory or a .gguf file")
+    t.add_argument("--data", default=d.data,
+                   help="e2e | e2e-names | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
+    t.add_argument("--output-dir", "-o", default=None, help="where the run writes (required unless measuring)")
+    s = t.add_mutually_exclusive_group()
+    s.add_argument("--speedups", type=parse_speedups, default=d.speedups,
+                   help="schedule targets drawn per batch, e.g. 1,2,3,4,5 (default 1,2,3)")
+    s.add_argument("--schedule", dest="schedule_file", help="a fixed schedule JSON file instead")
+    t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
+    t.add_argument("--warmup-layers", type=NON_NEGATIVE, default=d.warmup_layers)
+    t.add_argument("--horizon", type=POSITIVE, default=None, help="decay horizon H (default: expected new tokens - 1)")
+    t.add_argument("--decay", type=float_arg(1, 2), default=d.decay,
+                   help="solved schedules: preferred first budget / mean budget, in [1, 2] (1 = flat; default 1.5)")
+    t.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
+                   help="length the schedules are solved for (default: median target length of the data)")
+    t.add_argument("--distill", type=float_arg(0, 1), default=d.distill,
+                   help="self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
+                        "each skipped step by KL on target tokens; the rest is cross-entropy (default 0)")
+    t.add_argument("--distill-temperature", type=float_arg(0, lo_open=True), default=d.distill_temperature)
+    t.add_argument("--lora", action="store_true", help="train LoRA adapters on wqkv, wo, w13, w2 (peft)")
+    t.add_argument("--lora-r", type=POSITIVE, default=d.lora_r)
+    t.add_argument("--lora-alpha", type=POSITIVE, default=d.lora_alpha)
+    t.add_argument("--lora-dropout", type=float_arg(0, 1, hi_open=True), default=d.lora_dropout)
+    t.add_argument("--merge", action="store_true", help="LoRA: also write the merged model to OUTPUT/merged")
+    t.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
+                        "instead of replicating them (DDP); full fine-tuning")
+    t.add_argument("--steps", type=POSITIVE, default=None, help="optimizer steps (default: --epochs over the data)")
+    t.add_argument("--epochs", type=float_arg(0, lo_open=True), default=d.epochs)
+    t.add_argument("--batch-size", type=POSITIVE, default=d.batch_size, help="global examples per optimizer step")
+    t.add_argument("--grad-accum", type=POSITIVE, default=d.grad_accum, help="micro-batches per step and rank")
+    t.add_argument("--lr", type=float_arg(0, lo_open=True), default=None,
+                   help="peak learning rate (default 1e-4, LoRA 5e-4)")
+    t.add_argument("--weight-decay", type=float_arg(0), default=d.weight_decay)
+    t.add_argument("--warmup-steps", type=NON_NEGATIVE, default=None, help="linear LR warm-up (default 5%% of steps)")
+    t.add_argument("--min-lr-ratio", type=float_arg(0, 1), default=d.min_lr_ratio)
+    t.add_argument("--max-grad-norm", type=float_arg(0), default=d.max_grad_norm, help="0 disables clipping")
+    t.add_argument("--seed", type=SEED, default=d.seed)
+    t.add_argument("--max-length", type=POSITIVE, default=None)
+    t.add_argument("--val-groups", type=VAL_GROUPS, default=None,
+                   help="held-out groups (E2E MRs; default 60) or a fraction < 1")
+    chat = t.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None)
+    chat.add_argument("--no-chat", dest="chat", action="store_false")
+    t.add_argument("--eval-examples", type=NON_NEGATIVE, default=d.eval_examples)
+    t.add_argument("--save-every", type=NON_NEGATIVE, default=d.save_every, help="checkpoint every N steps (0: never)")
+    t.add_argument("--keep-checkpoints", type=POSITIVE, default=d.keep_checkpoints)
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    t.add_argument("--overwrite", action="store_true", help="discard a previous run in --output-dir")
+    t.add_argument("--no-progress", dest="progress", action="store_false")
+    t.add_argument("--measure-step-time", action="store_true",
+                   help="only time one training step at full depth vs --measure-speedup on one batch")
+    t.add_argument("--measure-speedup", type=float_arg(1), default=3.0)
+    t.add_argument("--measure-repeats", type=POSITIVE, default=3)
+    t.set_defaults(func=cmd_train)
+    return t
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    import os
+    from dataclasses import fields
+
+    from .training import TrainConfig, train
+    from .training.loop import measure_cli
+
+    names = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(a).items() if k in names and v is not None or k == "chat"})
+    if a.output_dir is None and not a.measure_step_time:
+        print("skipdecode: error: give --output-dir (-o) for the trained model", file=sys.stderr)
+        return 2
+    try:
+        if a.measure_step_time:
+            print(json.dumps(measure_cli(cfg, a.measure_speedup, a.measure_repeats), indent=2))
+            return 0
+        r = train(cfg)
+    except SkipDecodeError as e:
+        print(f"skipdecode: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun, rank 0 reports
+    print(json.dumps({"output_dir": str(r.output_dir), "steps": r.steps,
+                      "final_loss": r.losses[-1] if r.losses else None,
+                      "validation_loss": r.validation_loss,
+                      "merged_dir": str(r.merged_dir) if r.merged_dir else None}))
+    return 0
+
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error: ``skipdecode VERB: error: what is wrong (see ... --help)``."""
 
@@ -316,13 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
                    help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
-    v.add_argument("--grace", type=float_arg(0), default=30.0, help="seconds requests in flight get to finish on SIGTERM")
+    v.add_argument("--grace", type=float_arg(0), default=30.0,
+                   help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve (scale-out)")
     v.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster (default: start a local one)")
     v.add_argument("--num-replicas", type=POSITIVE, default=1, help="with --ray: replicas, each its own engine")
     v.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="with --ray: autoscale on ongoing requests")
-    v.add_argument("--replica-cpus", type=float_arg(0, lo_open=True), default=1.0, help="with --ray: CPUs (and torch threads) per replica")
+    v.add_argument("--replica-cpus", type=float_arg(0, lo_open=True), default=1.0,
+                   help="with --ray: CPUs (and torch threads) per replica")
     v.set_defaults(func=cmd_serve)
     r = sub.add_parser("prune", help="static layer drop baseline (ShortGPT block influence): a smaller checkpoint",
                        description="Remove the layers whose output is most similar to their input (1 - cos, "
@@ -338,9 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--output-dir", "-o", required=True)
     r.set_defaults(func=cmd_prune)
     from .evaluate import add_evaluate_cli
-    from .train import add_train_cli
 
-    add_train_cli(sub)  # the `train` verb lives in train.py
+    add_train_cli(sub)
     add_evaluate_cli(sub)
     return p
 

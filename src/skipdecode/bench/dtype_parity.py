@@ -45,7 +45,8 @@ def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmar
              "BLEU (sacrebleu). Token agreement: share of fp32's generated tokens reproduced at the same "
              "position before the first difference. Produced by `skipdecode bench --dtype-parity` on "
              f"{report['machine']['cpu']}.", "",
-             "| dtype | target | BLEU | BLEU - fp32 | token agreement | identical outputs |", "|---|---|---|---|---|---|"]
+             "| dtype | target | BLEU | BLEU - fp32 | token agreement | identical outputs |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['speedup_target']:g}x | {r['bleu']:.2f} | {r['bleu_minus_fp32']:+.2f} | "
                      f"{100 * r['token_agreement']:.1f}% | {100 * r['identical_outputs']:.1f}% |")

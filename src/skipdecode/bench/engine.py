@@ -148,8 +148,8 @@ def run_engine_bench(model: str = "default-e2e", quick: bool = False, out_dir: s
                 f"{m['tpot_p99_ms']:.0f} ms  rows {m['mean_decode_rows']:.1f}  "
                 f"speedup {m['mean_decode_layer_speedup']:.2f}"
                 f" (asked {m['mean_asked_speedup']:.2f}, exact {m['exact_schedule_fraction']:.0%})")
-    settings = {"model": model, "dtype": dtype, "requests_per_run": N, "rates_per_s": [r if r != float("inf") else "saturation"
-                                                                       for r in rates],
+    settings = {"model": model, "dtype": dtype, "requests_per_run": N,
+                "rates_per_s": [r if r != float("inf") else "saturation" for r in rates],
                 "max_new_tokens": max_new_tokens, "max_num_seqs": max_num_seqs, "greedy": True, "eos": True,
                 "prompts": "E2E held-out MRs (validation split by MR), chat template", "seed": seed, "quick": quick,
                 "prompt_tokens_mean": round(statistics.fmean(len(llm.encode(p)) for p in prompts), 1),
@@ -183,7 +183,8 @@ def render_markdown(report: dict, name: str = "engine") -> str:
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['platform']}",
         f"- Versions: python {m['python']}, torch {m['torch']}, skipdecode {m['skipdecode']}",
-        f"- Model: `{s['model']}`, {s.get('dtype', 'float32')} weights, greedy, up to {s['max_new_tokens']} new tokens (ends on EOS); "
+        f"- Model: `{s['model']}`, {s.get('dtype', 'float32')} weights, greedy, up to {s['max_new_tokens']} "
+        "new tokens (ends on EOS); "
         f"{s['requests_per_run']} requests per run: {s['prompts']} ({s['prompt_tokens_mean']} prompt tokens on "
         f"average); at most {s['max_num_seqs']} running at once; prompt chunks of "
         f"{s['engine']['prefill_chunk']} tokens, {s['engine']['max_prefill_tokens']} per step.",
