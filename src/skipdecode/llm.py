@@ -25,6 +25,7 @@ from .errors import SkipDecodeError
 from .generate import GenerationError, Sampling, generate_tokens
 from .tokenization import encode_prompt, has_tokenizer, load_tokenizer
 from .model import Transformer
+from .policies.select import schedule_for_speedup
 from .schedule import DEFAULT_DECAY, SkipSchedule
 
 # weight dtype -> the dtype the checkpoint is loaded in: bf16 and int8 are the linears' weights only,
@@ -114,20 +115,13 @@ class LLM:
         if speedup is not None and (isinstance(speedup, bool) or not isinstance(speedup, (int, float))
                                     or not math.isfinite(speedup) or speedup < 1):
             raise GenerationError(f"target speedup must be a number >= 1, got {speedup!r}")
-        if speedup is None or speedup == 1:
+        if speedup is None:
             return SkipSchedule.full_depth(self.num_layers)
-        if expected_new_tokens is None and horizon is None and warmup_layers is None:
-            trained = self.training.get("schedules", {}).get(f"{speedup:g}x")
-            if trained and trained.get("mode", "skip") == mode:
-                return SkipSchedule.from_dict(trained, self.num_layers)
-        # warm-up of a trained schedule that skips (a full-depth one has none)
-        skipping = [d for d in self.training.get("schedules", {}).values() if d["max_exit_layer"] < self.num_layers]
-        trained_warmup = skipping[0]["warmup_layers"] if skipping else 1
-        return SkipSchedule.for_speedup(
-            speedup, expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
-            self.num_layers, horizon=horizon,
-            warmup_layers=warmup_layers if warmup_layers is not None else trained_warmup,
-            mode=mode, decay=self.training_decay)
+        return schedule_for_speedup(
+            speedup, self.num_layers,
+            expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
+            mode=mode, warmup_layers=warmup_layers, horizon=horizon, decay=self.training_decay,
+            trained=self.training.get("schedules", {}), solve=expected_new_tokens is not None)
 
     @property
     def training_decay(self) -> float:

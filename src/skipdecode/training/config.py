@@ -10,6 +10,7 @@ from typing import Sequence
 from torch import nn
 
 from ..errors import SkipDecodeError
+from ..policies import select
 from ..schedule import DEFAULT_DECAY, SkipSchedule
 from ..validation import SEED_MAX, check_float, check_int
 
@@ -130,10 +131,8 @@ def schedule_label(target: float) -> str:
 def schedule_for_speedup(target: float, expected_new_tokens: int, num_layers: int, cfg: TrainConfig) -> SkipSchedule:
     """1x is full depth; other targets are solved by ``SkipSchedule.for_speedup``
     with the run's horizon, warm-up, mode and decay."""
-    if target == 1:
-        return SkipSchedule.full_depth(num_layers)
-    return SkipSchedule.for_speedup(target, expected_new_tokens, num_layers, horizon=cfg.horizon,
-                                    warmup_layers=cfg.warmup_layers, mode=cfg.mode, decay=cfg.decay)
+    return select.schedule_for_speedup(target, num_layers, expected_new_tokens, horizon=cfg.horizon,
+                                       warmup_layers=cfg.warmup_layers, mode=cfg.mode, decay=cfg.decay)
 
 
 def draw_schedule(labels: Sequence[str], seed: int, step: int) -> str:
