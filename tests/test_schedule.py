@@ -246,3 +246,22 @@ def test_decay_chooses_how_steeply_a_solved_budget_falls():
 def test_decay_outside_one_to_two_is_a_schedule_error(decay):
     with pytest.raises(ScheduleError, match="decay"):
         SkipSchedule.for_speedup(2, 29, 30, decay=decay)
+
+
+def test_a_speedup_becomes_a_schedule_in_one_place():
+    """Trained targets mean their training schedule; other targets are solved in the checkpoint's
+    shape (warm-up, decay); an explicit length or warm-up solves even a trained target; 1x is full depth."""
+    from skipdecode.policies.select import schedule_for_speedup
+
+    trained = {"1x": SkipSchedule.full_depth(30).to_dict(),
+               "2x": SkipSchedule(30, 20, 12, horizon=28, warmup_layers=2).to_dict()}
+    assert schedule_for_speedup(2, 30, 29, trained=trained) == SkipSchedule(30, 20, 12, horizon=28, warmup_layers=2)
+    assert schedule_for_speedup(1, 30, 29, trained=trained) == SkipSchedule.full_depth(30)
+    solved = schedule_for_speedup(3, 30, 29, trained=trained, decay=1.25)
+    assert solved == SkipSchedule.for_speedup(3, 29, 30, warmup_layers=2, decay=1.25)  # the checkpoint's warm-up
+    assert schedule_for_speedup(2, 30, 29, trained=trained, solve=True) == SkipSchedule.for_speedup(
+        2, 29, 30, warmup_layers=2)
+    assert schedule_for_speedup(2, 30, 29, trained=trained, mode="early_exit").mode == "early_exit"
+    assert schedule_for_speedup(2, 30, 29) == SkipSchedule.for_speedup(2, 29, 30, warmup_layers=1)
+    with pytest.raises(ScheduleError, match="target speedup"):
+        schedule_for_speedup(0.5, 30, 29)

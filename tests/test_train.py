@@ -378,3 +378,15 @@ def test_resume_refuses_a_crafted_pickle_in_any_checkpoint_file_without_running_
     with pytest.raises(TrainError, match="cannot be loaded as weights only"):
         train(_run_cfg(tiny_text, e2e_csv, out, resume=True, steps=6, save_every=2, speedups=[1.0, 3.0],
                        eval_examples=0))
+
+
+def test_training_record_reads_back_what_a_run_writes_and_refuses_what_is_not_one(tmp_path, tiny_text, e2e_csv):
+    from skipdecode.training.config import TrainingRecord
+
+    out = tmp_path / "run"
+    train(_run_cfg(tiny_text, e2e_csv, out, steps=2, eval_examples=0))
+    rec = TrainingRecord.from_json(json.loads((out / "skipdecode.json").read_text()))
+    assert rec.steps_done == 2 and set(rec.schedules) == {"1x", "3x"} and rec.config["steps"] == 2
+    assert rec.num_layers == 8 and rec.skipdecode_training
+    with pytest.raises(TrainError, match="not a training record"):
+        TrainingRecord.from_json({"schedules": {}})
