@@ -47,8 +47,9 @@ class PackedLinear(nn.Module):
     - ``float32``: the compiled kernels' 16-column panels (``packed``) and/or
       oneDNN's blocked layout (``onednn``); per row-count bucket, the form the
       autotuner measured faster on this machine runs (``dispatch.plan_for``);
-    - ``bfloat16``: oneDNN's bf16 layout (AMX or AVX-512-BF16 where present,
-      fp32 accumulation); plain ``F.linear`` where oneDNN has no bf16;
+    - ``bfloat16``: the same panels in bf16 (widened to fp32 in registers: half
+      the bytes) or oneDNN's bf16 layout (AMX or AVX-512-BF16 where present,
+      fp32 accumulation), per bucket the faster; plain ``F.linear`` without either;
     - ``int8``: weight-only int8 with one scale per output channel, dequantized
       inside torch's int8 GEMM. Half the bytes of bf16 per decode step, which
       is memory-bound.
