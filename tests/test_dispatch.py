@@ -154,6 +154,47 @@ def test_int8_weights_equal_the_dequantized_weight_in_plain_torch(rows, n_in):
         assert p.qweight is None and p.dense.dtype == torch.bfloat16
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("n_in", [64, 24])
+def test_int8_panels_equal_the_dequantized_weight_in_fp32(monkeypatch, rows, n_in):
+    """int8 panels widen to fp32 in registers and scale each finished sum: the fp32 product with
+    the dequantized weight (the input is not rounded), for any reduction dim."""
+    monkeypatch.setattr(dispatch, "plan_for", lambda o, i, k, w="float32": ("hand",) * len(dispatch.BUCKETS))
+    lin = _linear(n_in=n_in)
+    p = PackedLinear(lin, kernels.load(), "int8")
+    q, s = quantize_int8(lin.weight)
+    assert p.packed.dtype == torch.int8 and p.qweight is None and p.dense is None
+    assert p.packed.numel() == 48 * n_in  # one byte per weight, 40 outputs padded to 3 panels of 16
+    x = torch.randn(rows, n_in)
+    want = F.linear(x, q.float() * s.float()[:, None], lin.bias)
+    torch.testing.assert_close(p(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_shapes_torchs_gemm_misreads_run_on_the_panels_only(monkeypatch):
+    n = len(dispatch.BUCKETS)
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "tune", lambda *a, **kw: pytest.fail("nothing to choose between"))
+    assert dispatch.plan_for(40, 24, object(), "int8") == ("hand",) * n
+    assert dispatch.plan_for(40, 24, None, "int8") == ("int8mm",) * n  # no kernels: PackedLinear dequantizes
+    assert dispatch.fused_plan([(40, 24), (24, 64)], object(), "int8") == (True,) * n
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
+    assert dispatch.plan_for(40, 64, object(), "int8") == dispatch.default_plan(True, "int8")
+    assert set(dispatch.default_plan(True, "int8")) == {"hand", "int8mm"}
+
+
+@needs_kernels
+def test_the_int8_autotuner_times_the_panels_against_torchs_int8_gemm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    plan = dispatch.plan_for(48, 64, kernels.load(), "int8")
+    (shapes,) = json.loads((tmp_path / "autotune.json").read_text()).values()
+    rec = shapes["48x64 int8"]
+    assert set(rec["seconds"]) == {"hand", "int8mm"} and all(t > 0 for v in rec["seconds"].values() for t in v)
+    assert plan == tuple(rec["plan"]) == dispatch.choose(rec["seconds"])
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
     """Same tokens in, logits close to fp32 (bf16 activations), greedy agreement on most steps."""
@@ -165,10 +206,9 @@ def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
                for b in low.model.layers for n in ("wqkv", "wo", "w13", "w2"))
     assert low.model.inv_freq.dtype == torch.float32  # RoPE frequencies keep full precision
     assert all(p.dtype == torch.float32 for p in low.model.parameters())  # weight-only: the rest stays fp32
-    if dtype == "int8":
-        assert not any(b.fused_decode for b in low.model.layers)  # the fused layer reads fp32 or bf16 panels
-    elif low.model.kernels is not None:  # bf16 panels: the same fused layer, half the weight bytes
-        assert all(b.fused_decode and b.wqkv.packed.dtype == torch.bfloat16 for b in low.model.layers)
+    if low.model.kernels is not None:  # bf16 / int8 panels: the same fused layer, 1/2 or 1/4 the weight bytes
+        want = torch.bfloat16 if dtype == "bfloat16" else torch.int8
+        assert all(b.fused_decode and b.wqkv.packed.dtype == want for b in low.model.layers)
     tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
     pos = torch.arange(8)[None]
     with torch.no_grad():

@@ -49,6 +49,24 @@ def test_linear_equals_f_linear_for_any_row_count_and_shape(k, rows, n, kdim, bi
 
 
 @needs_kernels
+@pytest.mark.parametrize("n,kdim", [(16, 8), (40, 300), (3, 520)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
+def test_int8_panels_scale_each_output_of_the_fp32_product(k, rows, n, kdim):
+    g = _gen(rows * 1000 + n)
+    q = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
+    s, b = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
+    x = torch.randn(rows, kdim, generator=g)
+    got = k.linear(x, kernels.pack_weight(q), b, n, kernels.pack_scales(s))
+    torch.testing.assert_close(got, F.linear(x, q.float() * s[:, None], b), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="int8 panels take one scale per output"):
+        k.linear(x, kernels.pack_weight(q), b, n)
+    with pytest.raises(RuntimeError, match="int8 panels take one scale per output"):
+        k.linear(x, kernels.pack_weight(q.float()), b, n, kernels.pack_scales(s))
+    with pytest.raises(RuntimeError, match="one per padded output column"):
+        k.linear(x, kernels.pack_weight(q), b, n, s.float().contiguous()[:1])
+
+
+@needs_kernels
 def test_linear_takes_a_non_contiguous_input(k):
     w = torch.randn(24, 64, generator=_gen(1))
     x = torch.randn(64, 5, generator=_gen(2)).t()  # (5, 64), transposed storage
@@ -202,14 +220,24 @@ def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, heads, kv_heads
         k.decode_attention(q[:1], kp, vp, None, hd ** -0.5, torch.tensor([[190, 20]]))
 
 
+@pytest.fixture(scope="module")
+def tiny_int8(tiny_dirs):
+    """The llama tiny model with int8 weights on the kernels' int8 panels."""
+    from skipdecode.checkpoint import load_model
+
+    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int8")
+
+
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8"])
 @pytest.mark.parametrize("skip_first", [False, True])
-def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, arch, skip_first):
+def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, arch, skip_first):
     """Rows of different lengths, each in its own pool slots: full-depth
     prefill, then one decode step, fused (one kernel call per layer) and
-    unfused: same logits, same pool."""
-    net = tiny_packed[arch]
+    unfused: same logits, same pool (int8 weights too: scaled panels)."""
+    net = tiny_int8 if arch == "llama-int8" else tiny_packed[arch]
+    if arch == "llama-int8":
+        assert net.layers[0].w13.packed.dtype == torch.int8 and net.layers[0].fused_decode
     cfg, L = net.cfg, net.n_layers
     lengths = [9, 4, 6]
     prompts = [torch.randint(3, 256, (n + 1,), generator=_gen(3 + n)) for n in lengths]

@@ -7,11 +7,12 @@ guess, each fp32 weight shape is timed once per machine with both forms at
 every row-count bucket (fp32 and bf16 weights alike); the faster is recorded in
 ``$SKIPDECODE_CACHE/autotune.json`` (keyed by CPU, torch version, kernel source
 and thread count) and used from then on. A form that wins no bucket is not
-even kept in memory. bf16 and int8 weights have one form each (oneDNN bf16 on
-AMX / AVX-512-BF16; torch's int8 weight-only GEMM).
+even kept in memory. The library form is oneDNN's blocked layout for fp32 and
+bf16 weights (bf16 on AMX / AVX-512-BF16) and torch's int8 weight-only GEMM
+for int8; the compiled kernels have panels in all three dtypes.
 
 ``SKIPDECODE_AUTOTUNE=0`` skips the timing and uses the compiled kernels up
-to 8 rows, oneDNN above.
+to 8 rows, the library form above.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first bucket >= M (else the last)
-FORMS = ("hand", "onednn")
+LIBRARY = {"float32": "onednn", "bfloat16": "onednn", "int8": "int8mm"}  # the form that is not ours, per dtype
 COLD_BYTES = 96e6  # more than any last-level cache of a 2-32 core CPU slice: weights come from memory
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -59,9 +60,19 @@ def cpu_features() -> dict:
             "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
 
 
-def default_plan(hand: bool) -> tuple[str, ...]:
-    """Without timing: the compiled kernels up to 8 rows (where they were written to win), oneDNN above."""
-    return tuple("hand" if hand and b <= 8 else "onednn" for b in BUCKETS)
+def forms(weights: str = "float32") -> tuple[str, str]:
+    """The two forms a weight of this dtype can take: the compiled kernels' panels and the library's."""
+    return ("hand", LIBRARY[weights])
+
+
+def int8mm_takes(in_features: int) -> bool:
+    """torch's int8 GEMM reads the reduction dimension in blocks of 32 and misreads any other size."""
+    return in_features % 32 == 0
+
+
+def default_plan(hand: bool, weights: str = "float32") -> tuple[str, ...]:
+    """Without timing: the compiled kernels up to 8 rows (where they were written to win), the library above."""
+    return tuple("hand" if hand and b <= 8 else LIBRARY[weights] for b in BUCKETS)
 
 
 def choose(timings: dict[str, Sequence[float]]) -> tuple[str, ...]:
@@ -84,27 +95,42 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
 def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5,
                weights: str = "float32") -> dict[str, list[float]]:
     """Seconds per call of each form at every bucket's row count, on a random weight of this shape:
-    fp32 activations in and out, the weight in ``weights`` (float32 or bfloat16)."""
+    fp32 activations in and out, the weight in ``weights`` (float32, bfloat16 or int8). A form
+    that cannot take this shape (torch's int8 GEMM, ``int8mm_takes``) is timed as infinitely slow."""
     from . import kernels
+    from .model import quantize_int8
 
-    dt = torch.bfloat16 if weights == "bfloat16" else torch.float32
     # A model's weights stream from memory at every step; one weight timed again and again would
     # sit in the caches and favour the wrong form. Each call takes the next of enough copies to
     # overflow the last-level cache.
-    w = (torch.randn(out_features, in_features) * 0.02).to(dt)
-    copies = max(1, min(32, int(COLD_BYTES // (w.numel() * w.element_size()))))
-    packed = [kernels.pack_weight(w) for _ in range(copies)]
-    blocked = [torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32) for _ in range(copies)]
-    res: dict[str, list[float]] = {f: [] for f in FORMS}
+    w = torch.randn(out_features, in_features) * 0.02
+    nbytes = w.numel() * {"float32": 4, "bfloat16": 2, "int8": 1}[weights]
+    copies = max(1, min(32, int(COLD_BYTES // nbytes)))
+    hand, lib = forms(weights)
+    if weights == "int8":
+        q, sc = quantize_int8(w)
+        packed = [(kernels.pack_weight(q), kernels.pack_scales(sc)) for _ in range(copies)]
+        library = [(q.clone(), sc) for _ in range(copies)] if int8mm_takes(in_features) else None
+        run_lib = lambda x, wl: torch._weight_int8pack_mm(x.bfloat16(), *wl).float()  # noqa: E731
+    else:
+        dt = torch.bfloat16 if weights == "bfloat16" else torch.float32
+        w = w.to(dt)
+        packed = [(kernels.pack_weight(w), None) for _ in range(copies)]
+        library = [torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32) for _ in range(copies)]
+        run_lib = lambda x, wl: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
+            x.to(dt), wl, None, "none", [], "").float()
+    res: dict[str, list[float]] = {hand: [], lib: []}
     for m in BUCKETS:
         x = torch.randn(m, in_features)
         n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))  # big shapes: fewer repeats
         nxt = iter(range(10 ** 9))
-        res["hand"].append(_median_time(
-            lambda: kernel_module.linear(x, packed[next(nxt) % copies], None, out_features), n))
-        res["onednn"].append(_median_time(
-            lambda: torch.ops.mkldnn._linear_pointwise(x.to(dt), blocked[next(nxt) % copies], None, "none", [],
-                                                       "").float(), n))
+        def run_hand(panels=packed, x=x, nxt=nxt):
+            wp, sp = panels[next(nxt) % copies]
+            return kernel_module.linear(x, wp, None, out_features, sp)
+
+        res[hand].append(_median_time(run_hand, n))
+        res[lib].append(_median_time(lambda: run_lib(x, library[next(nxt) % copies]), n)
+                        if library is not None else float("inf"))
     return res
 
 
@@ -138,8 +164,9 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
     except (OSError, ValueError):
         table = {}  # a damaged cache is re-measured, never trusted
     entry = table.get(key, {}).get(shape) if isinstance(table.get(key), dict) else None
-    ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) and set(entry["plan"]) <= set(FORMS) \
-        and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in FORMS)
+    fs = forms(weights)
+    ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) and set(entry["plan"]) <= set(fs) \
+        and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in fs)
     if not ok:
         timings = time_forms(out_features, in_features, kernel_module, weights=weights)
         entry = {"plan": list(choose(timings)), "buckets": list(BUCKETS),
@@ -158,19 +185,24 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
 def plan_for(out_features: int, in_features: int, kernel_module, weights: str = "float32") -> tuple[str, ...]:
     """The form to run at each bucket for a weight of this shape and dtype, on this machine."""
     if kernel_module is None:
-        return tuple("onednn" for _ in BUCKETS)
+        return tuple(LIBRARY[weights] for _ in BUCKETS)
+    if weights == "int8" and not int8mm_takes(in_features):
+        return tuple("hand" for _ in BUCKETS)
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
-        return default_plan(True)
+        return default_plan(True, weights)
     return tuple(tune(out_features, in_features, kernel_module, weights)["plan"])
 
 
 def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = "float32") -> tuple[bool, ...]:
     """Per bucket, whether a layer with these linears runs as the compiled kernels' one fused call:
-    where their measured time on the panels is no more than on oneDNN (the fused call does the
-    same GEMMs plus the norms, RoPE and attention without leaving the kernel)."""
+    where their measured time on the panels is no more than on the library form (the fused call
+    does the same GEMMs plus the norms, RoPE and attention without leaving the kernel)."""
     if kernel_module is None:
         return tuple(False for _ in BUCKETS)
+    if weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
+        return tuple(True for _ in BUCKETS)  # the panels are the only int8 form of some of them
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
-        return tuple(f == "hand" for f in default_plan(True))
+        return tuple(f == "hand" for f in default_plan(True, weights))
+    hand, lib = forms(weights)
     t = [tune(o, i, kernel_module, weights)["seconds"] for o, i in shapes]
-    return tuple(sum(x["hand"][b] for x in t) <= sum(x["onednn"][b] for x in t) for b in range(len(BUCKETS)))
+    return tuple(sum(x[hand][b] for x in t) <= sum(x[lib][b] for x in t) for b in range(len(BUCKETS)))

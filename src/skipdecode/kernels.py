@@ -75,10 +75,15 @@ def load():
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` weight -> ``[ceil(N/16), K, 16]`` panels, zero padded: the
-    layout ``linear`` streams, one contiguous panel per 16 outputs."""
+    """``[N, K]`` weight (fp32, bf16 or int8) -> ``[ceil(N/16), K, 16]`` panels, zero
+    padded: the layout ``linear`` streams, one contiguous panel per 16 outputs."""
     n, k = w.shape
     pad = (-n) % PANEL
     if pad:
         w = F.pad(w, (0, 0, 0, pad))
     return w.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel scales of an int8 weight -> fp32, zero padded to whole panels like ``pack_weight``."""
+    return F.pad(scales.float(), (0, (-scales.numel()) % PANEL)).contiguous()

@@ -50,9 +50,10 @@ class PackedLinear(nn.Module):
     - ``bfloat16``: the same panels in bf16 (widened to fp32 in registers: half
       the bytes) or oneDNN's bf16 layout (AMX or AVX-512-BF16 where present,
       fp32 accumulation), per bucket the faster; plain ``F.linear`` without either;
-    - ``int8``: weight-only int8 with one scale per output channel, dequantized
-      inside torch's int8 GEMM. Half the bytes of bf16 per decode step, which
-      is memory-bound.
+    - ``int8``: weight-only int8 with one scale per output channel: the same
+      panels in int8 (widened to fp32 in registers, the scale applied to each
+      finished sum) or torch's int8 GEMM (bf16 activations), per bucket the
+      faster. Half the bytes of bf16 per decode step, which is memory-bound.
 
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
@@ -70,7 +71,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weights = weights
         self.kernels = kernel_module
-        self.packed = self.onednn = self.dense = self.qweight = self.scales = None
+        self.packed = self.onednn = self.dense = self.qweight = self.scales = self.panel_scales = None
         w = linear.weight.detach()
         if weights == "float32":
             self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels)
@@ -88,21 +89,26 @@ class PackedLinear(nn.Module):
                 self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), self.PACK_BATCH_HINT)
             elif self.packed is None:
                 self.dense = w.bfloat16().contiguous()
-        elif self.in_features % 32 == 0:  # torch's int8 GEMM reads the reduction dim in blocks of 32
-            self.qweight, self.scales = quantize_int8(w)
-        else:  # a shape it cannot take: the same rounding, held dequantized in bf16
+        else:
             q, sc = quantize_int8(w)
-            self.dense = (q.float() * sc.float()[:, None]).bfloat16()
+            self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int8")
+            if self.kernels is not None and ("hand" in self.plan or keep_panels):
+                self.packed, self.panel_scales = kernels.pack_weight(q), kernels.pack_scales(sc)
+            if dispatch.int8mm_takes(self.in_features) and "int8mm" in self.plan:
+                self.qweight, self.scales = q, sc
+            elif self.packed is None:  # no kernels and a shape torch's int8 GEMM cannot take:
+                self.dense = (q.float() * sc.float()[:, None]).bfloat16()  # the same rounding, dequantized
         self.bias = None if linear.bias is None else linear.bias.detach().float()  # the kernels add fp32 bias
         self.bias_bf16 = None if self.bias is None else self.bias.bfloat16()  # torch's bf16 / int8 GEMMs
 
     def uses_hand(self, rows: int) -> bool:
         """Whether a call with ``rows`` rows runs the compiled kernels (the fused decode layer needs it)."""
-        return self.packed is not None and (self.onednn is None or self.plan[dispatch.bucket(rows)] == "hand")
+        library = self.onednn if self.onednn is not None else self.qweight
+        return self.packed is not None and (library is None or self.plan[dispatch.bucket(rows)] == "hand")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_hand(x.numel() // self.in_features):  # fp32 or bf16 panels, fp32 in and out
-            return self.kernels.linear(x, self.packed, self.bias, self.out_features)
+        if self.uses_hand(x.numel() // self.in_features):  # fp32, bf16 or int8 panels, fp32 in and out
+            return self.kernels.linear(x, self.packed, self.bias, self.out_features, self.panel_scales)
         if self.weights == "float32":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         xb = x.to(torch.bfloat16)
@@ -318,7 +324,8 @@ class Block(nn.Module):
             return self.kernels.decode_block(
                 x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
                 self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kpool, vpool, slots, rope[0],
-                rope[1], self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv)
+                rope[1], self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv, self.wqkv.panel_scales,
+                self.wo.panel_scales, self.w13.panel_scales, self.w2.panel_scales)
         return self._residual(x, lambda h: self.attention_pool(h, rope, kpool, vpool, slots))
 
 
@@ -365,7 +372,7 @@ class Transformer(nn.Module):
         names = ("wqkv", "wo", "w13", "w2")
         for block in self.layers:
             block.kernels = k
-            if weights != "int8" and block.can_fuse_decode(packed=False):
+            if block.can_fuse_decode(packed=False):
                 block.fuse_plan = dispatch.fused_plan([tuple(getattr(block, n).weight.shape) for n in names], k,
                                                       weights)
             fuse = any(block.fuse_plan)

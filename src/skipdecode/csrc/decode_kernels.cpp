@@ -1,4 +1,4 @@
-// CPU kernels for the decode step (fp32, AVX2 + FMA), built on first use by
+// CPU kernels for the decode step (fp32 activations; fp32, bf16 or int8 weights; AVX2 + FMA), built on first use by
 // skipdecode/kernels.py. Inference only: no autograd.
 //
 // Why: a decode step multiplies 1-32 rows by every weight once. oneDNN and
@@ -23,6 +23,11 @@ namespace {
 
 constexpr int64_t NR = 16;   // panel width: output columns per micro-kernel (two AVX registers)
 constexpr int64_t MR = 6;    // rows per micro-kernel: 12 accumulators + 2 weights + 1 broadcast
+// Panels stream from memory once per step. The hardware prefetcher alone left
+// the loads waiting (measured: the int8 panels at 1 row ran 1.6x slower cold
+// than warm); asking for the line 4 KB ahead in the same panel stream cut the
+// cold time of every dtype at 1-32 rows by 10-35%.
+constexpr int64_t PF_BYTES = 4096;
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
 
 // 16 weights of one panel row as two fp32 vectors: fp32 panels load directly;
@@ -40,38 +45,70 @@ static inline void load_w(const uint16_t* w, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
 }
 
+// int8 panels (weight-only, symmetric per output channel) widen to int32 and
+// convert to fp32 exactly; the channel's scale multiplies the finished sum
+// once (sum_k x_k * s * q_k = s * sum_k x_k * q_k). A quarter of fp32's bytes.
+static inline void load_w(const int8_t* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8))));
+}
+
 // rows x 16 outputs of one panel over one K block. `acc` holds the partial
-// sums between K blocks; on the last block the result (+ bias) goes to y.
+// sums between K blocks; on the last block the result (x scale, + bias) goes to y.
+// Below 4 rows there are too few accumulators to hide the FMA latency (2R
+// chains against the 8 that two FMA ports with 4-cycle latency need), so U
+// independent sets of them take alternate k and are summed at the end.
 template <int R, typename W>
 static inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc, bool first,
-                                bool last, float* y, int64_t ldy, int64_t ncols, const float* bias, const float* res) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) {
-    if (first) {
-      a0[r] = _mm256_setzero_ps();
-      a1[r] = _mm256_setzero_ps();
-    } else {
-      a0[r] = _mm256_loadu_ps(acc + r * NR);
-      a1[r] = _mm256_loadu_ps(acc + r * NR + 8);
+                                bool last, float* y, int64_t ldy, int64_t ncols, const float* scale,
+                                const float* bias, const float* res) {
+  constexpr int U = R >= 4 ? 1 : R == 3 ? 2 : 4 / R;
+  __m256 a0[U][R], a1[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) {
+      if (first || u > 0) {
+        a0[u][r] = _mm256_setzero_ps();
+        a1[u][r] = _mm256_setzero_ps();
+      } else {
+        a0[u][r] = _mm256_loadu_ps(acc + r * NR);
+        a1[u][r] = _mm256_loadu_ps(acc + r * NR + 8);
+      }
     }
-  }
-  for (int64_t k = 0; k < kc; ++k) {
+  int64_t k = 0;
+  for (; k + U <= kc; k += U)
+    for (int u = 0; u < U; ++u) {
+      __m256 w0, w1;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_BYTES, _MM_HINT_T0);
+      load_w(w + (k + u) * NR, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + u);
+        a0[u][r] = _mm256_fmadd_ps(xb, w0, a0[u][r]);
+        a1[u][r] = _mm256_fmadd_ps(xb, w1, a1[u][r]);
+      }
+    }
+  for (; k < kc; ++k) {
     __m256 w0, w1;
     load_w(w + k * NR, w0, w1);
     for (int r = 0; r < R; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
+      a0[0][r] = _mm256_fmadd_ps(xb, w0, a0[0][r]);
+      a1[0][r] = _mm256_fmadd_ps(xb, w1, a1[0][r]);
     }
   }
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r) {
+      a0[0][r] = _mm256_add_ps(a0[0][r], a0[u][r]);
+      a1[0][r] = _mm256_add_ps(a1[0][r], a1[u][r]);
+    }
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc + r * NR, a0[r]);
-    _mm256_storeu_ps(acc + r * NR + 8, a1[r]);
+    _mm256_storeu_ps(acc + r * NR, a0[0][r]);
+    _mm256_storeu_ps(acc + r * NR + 8, a1[0][r]);
   }
   if (last)
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = acc[r * NR + c] + (bias ? bias[c] : 0.f) + (res ? res[r * ldy + c] : 0.f);
+        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
+                         (res ? res[r * ldy + c] : 0.f);
 }
 
 // One row block. The micro-kernels stay plain `static inline`: marked
@@ -79,14 +116,15 @@ static inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t
 // iteration (2.5x slower).
 template <typename W>
 inline void row_block(int64_t r, const float* x, int64_t K, const W* w, int64_t kc, float* acc, bool first,
-                      bool last, float* y, int64_t N, int64_t ncols, const float* bias, const float* res) {
+                      bool last, float* y, int64_t N, int64_t ncols, const float* scale, const float* bias,
+                      const float* res) {
   switch (r) {
-    case 6: return micro_kernel<6>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
-    case 5: return micro_kernel<5>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
-    case 4: return micro_kernel<4>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
-    case 3: return micro_kernel<3>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
-    case 2: return micro_kernel<2>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
-    default: return micro_kernel<1>(x, K, w, kc, acc, first, last, y, N, ncols, bias, res);
+    case 6: return micro_kernel<6>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 5: return micro_kernel<5>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 4: return micro_kernel<4>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 3: return micro_kernel<3>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 2: return micro_kernel<2>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    default: return micro_kernel<1>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
   }
 }
 
@@ -152,60 +190,70 @@ struct Prefetch {
 // overlap; res may be y itself (an in-place residual add: each element is read
 // once, just before it is written).
 template <typename W>
-void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* ba, int64_t n,
-                   float* ya, const float* res, const Prefetch& pf) {
+void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa, const float* ba,
+                   int64_t n, float* ya, const float* res, const Prefetch& pf) {
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
     for (int64_t p = p0; p < p1; ++p) {
       pf.part(p, NP);
       const int64_t ncols = std::min(NR, n - p * NR);
       const float* bp = ba ? ba + p * NR : nullptr;
+      const float* sp = sa ? sa + p * NR : nullptr;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const bool first = k0 == 0, last = k0 + kc == K;
         const W* w = wa + (p * K + k0) * NR;
         for (int64_t m = 0; m < M; m += MR) {
           const int64_t r = std::min(MR, M - m);
-          row_block(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols, bp,
-                    res ? res + m * n + p * NR : nullptr);
+          row_block(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols, sp,
+                    bp, res ? res + m * n + p * NR : nullptr);
         }
       }
     }
   });
 }
 
-// fp32 or bf16 panels (the weight's dtype picks the micro-kernel); activations are fp32 either way.
-void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const float* ba, int64_t n, float* ya,
-                 const float* res, const Prefetch& pf = Prefetch()) {
+// fp32, bf16 or int8 panels (the weight's dtype picks the micro-kernel; int8 panels
+// come with one fp32 scale per padded output column); activations are fp32 either way.
+void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
+                 const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf = Prefetch()) {
   const int64_t K = packed.size(1), NP = packed.size(0);
   if (M == 0) return;
   if (packed.scalar_type() == torch::kBFloat16)
-    linear_panels(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, ba, n, ya, res,
-                  pf);
+    linear_panels(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, nullptr, ba, n,
+                  ya, res, pf);
+  else if (packed.scalar_type() == torch::kChar)
+    linear_panels(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), ba, n, ya, res, pf);
   else
-    linear_panels(xa, M, packed.data_ptr<float>(), K, NP, ba, n, ya, res, pf);
+    linear_panels(xa, M, packed.data_ptr<float>(), K, NP, nullptr, ba, n, ya, res, pf);
 }
 
-void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::optional<torch::Tensor>& bias) {
-  check(packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16,
-        "weight panels must be float32 or bfloat16");
+void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::optional<torch::Tensor>& bias,
+                  const c10::optional<torch::Tensor>& scale) {
+  const auto t = packed.scalar_type();
+  check(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kChar,
+        "weight panels must be float32, bfloat16 or int8");
   check(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "weight is not packed");
   check(packed.size(1) == k && (n + NR - 1) / NR == packed.size(0), "shape mismatch");
   if (bias.has_value())
     check(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n, "bias");
+  check((t == torch::kChar) == scale.has_value(), "int8 panels take one scale per output, other panels none");
+  if (scale.has_value())
+    check(scale->scalar_type() == torch::kFloat && scale->is_contiguous() && scale->numel() == packed.size(0) * NR,
+          "scales must be contiguous float32, one per padded output column");
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t n) {
+                     int64_t n, const c10::optional<torch::Tensor>& scale) {
   check(x.scalar_type() == torch::kFloat, "float32 only");
   const int64_t K = x.size(-1);
-  check_packed(packed, K, n, bias);
+  check_packed(packed, K, n, bias, scale);
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
   const auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto y = torch::empty({M, n}, x.options());
-  linear_into(x2.data_ptr<float>(), M, packed, bias.has_value() ? bias->data_ptr<float>() : nullptr, n,
+  linear_into(x2.data_ptr<float>(), M, packed, scale, bias.has_value() ? bias->data_ptr<float>() : nullptr, n,
               y.data_ptr<float>(), nullptr);
   return y.view(out_shape);
 }
@@ -556,7 +604,9 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
                            const c10::optional<torch::Tensor>& b2, torch::Tensor kpool, torch::Tensor vpool,
                            const torch::Tensor& rows, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
                            double scale, const c10::optional<torch::Tensor>& next_k,
-                           const c10::optional<torch::Tensor>& next_v) {
+                           const c10::optional<torch::Tensor>& next_v, const c10::optional<torch::Tensor>& sqkv,
+                           const c10::optional<torch::Tensor>& so, const c10::optional<torch::Tensor>& s13,
+                           const c10::optional<torch::Tensor>& s2) {
   check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
   check(kpool.dim() == 3 && kpool.sizes() == vpool.sizes() && kpool.is_contiguous() && vpool.is_contiguous() &&
         kpool.scalar_type() == torch::kFloat && vpool.scalar_type() == torch::kFloat,
@@ -564,10 +614,10 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   const int64_t B = x.size(0), D = x.size(2), KVH = kpool.size(0), slots = kpool.size(1), hd = kpool.size(2);
   check_rows(rows, B, slots);
   const int64_t nqkv = (H + 2 * KVH) * hd, I = w2.size(1);
-  check_packed(wqkv, D, nqkv, bqkv);
-  check_packed(wo, H * hd, D, bo);
-  check_packed(w13, D, 2 * I, b13);
-  check_packed(w2, I, D, b2);
+  check_packed(wqkv, D, nqkv, bqkv, sqkv);
+  check_packed(wo, H * hd, D, bo, so);
+  check_packed(w13, D, 2 * I, b13, s13);
+  check_packed(w2, I, D, b2, s2);
   const float* nul = nullptr;
   auto bp = [&](const c10::optional<torch::Tensor>& b) { return b.has_value() ? b->data_ptr<float>() : nul; };
   const int64_t* ra = rows.data_ptr<int64_t>();
@@ -575,7 +625,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   auto h = x.contiguous().clone();  // the residual stream, updated in place below
   auto n1 = rms_norm(h, attn_norm, eps);
   auto qkv = torch::empty({B, 1, H + 2 * KVH, hd}, x.options());
-  linear_into(n1.data_ptr<float>(), B, wqkv, bp(bqkv), nqkv, qkv.data_ptr<float>(), nullptr);
+  linear_into(n1.data_ptr<float>(), B, wqkv, sqkv, bp(bqkv), nqkv, qkv.data_ptr<float>(), nullptr);
   rope_(qkv.narrow(2, 0, H + KVH), cos, sin);
   const float* qa = qkv.data_ptr<float>();
   float* ka = kpool.data_ptr<float>();
@@ -593,7 +643,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   auto att = torch::empty({B, 1, H * hd}, x.options());
   attend(q.data_ptr<float>(), B, H, hd, KVH, kv, nullptr, float(scale), att.data_ptr<float>());
   float* ha = h.data_ptr<float>();
-  linear_into(att.data_ptr<float>(), B, wo, bp(bo), D, ha, ha);
+  linear_into(att.data_ptr<float>(), B, wo, so, bp(bo), D, ha, ha);
   auto n2 = rms_norm(h, mlp_norm, eps);
   auto gu = torch::empty({B, 1, 2 * I}, x.options());
   Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
@@ -613,19 +663,25 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
       }
     }
   }
-  linear_into(n2.data_ptr<float>(), B, w13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, pf);
+  linear_into(n2.data_ptr<float>(), B, w13, s13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, pf);
   auto a = silu_mul(gu);
-  linear_into(a.data_ptr<float>(), B, w2, bp(b2), D, ha, ha);
+  linear_into(a.data_ptr<float>(), B, w2, s2, bp(b2), D, ha, ha);
   return h;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "small-M linear on a panel-packed weight");
+  m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 panels with their scales)", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
   m.def("decode_attention", &decode_attention, "one query position per row, grouped KV heads read once",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
-  m.def("decode_block", &decode_block, "one pre-norm Llama-family layer, one decode position per row, on a KV pool");
+  m.def("decode_block", &decode_block, "one pre-norm Llama-family layer, one decode position per row, on a KV pool",
+        py::arg("x"), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"),
+        py::arg("wo"), py::arg("bo"), py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("kpool"),
+        py::arg("vpool"), py::arg("rows"), py::arg("cos"), py::arg("sin"), py::arg("H"), py::arg("scale"),
+        py::arg("next_k") = py::none(), py::arg("next_v") = py::none(), py::arg("sqkv") = py::none(),
+        py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none());
 }
