@@ -40,3 +40,5 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     md = (tmp_path / "bench.md").read_text()
     assert "| 2 | transformers | 1x |" in md and "ratio bound" in md
     assert saved["settings"]["decode_kernels"] in md
+    assert set(saved["settings"]["plans"]) == {"float32", "bfloat16", "int8"}  # every dtype's chosen forms
+    assert "- int8: wqkv: " in md

@@ -136,6 +136,12 @@ def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: lis
     return json.loads(lines[-1]), None
 
 
+def _plans(llm: LLM) -> dict[str, list[str]]:
+    """The form each linear of the first layer (and the LM head) runs per row-count bucket."""
+    mods = {n: getattr(llm.model.layers[0], n) for n in ("wqkv", "wo", "w13", "w2")} | {"lm_head": llm.model.lm_head}
+    return {n: list(m.plan) for n, m in mods.items() if getattr(m, "plan", None)}
+
+
 def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
               batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
               new_tokens: int | None = None, with_transformers: bool = True, repeats: int | None = None,
@@ -165,10 +171,9 @@ def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.Pat
                                    "(autotuned)" + (", one fused call per layer where faster"
                                                     if any(blk.fuse_plan) else "")
                                    if on_kernels else "oneDNN + torch"),
-                "fp32_plans": {n: list(getattr(blk, n).plan) for n in ("wqkv", "wo", "w13", "w2")
-                               if getattr(getattr(blk, n), "plan", None)} | (
-                    {"lm_head": list(llm.model.lm_head.plan)} if getattr(llm.model.lm_head, "plan", None) else {}),
+                "fp32_plans": _plans(llm),
                 "fused_plan": list(blk.fuse_plan),
+                "plans": {dt: _plans(x) | {"fused": list(x.model.layers[0].fuse_plan)} for dt, x in llms.items()},
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -332,11 +337,16 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {r['batch_size']} | {r['ms_per_step']:.1f} | {r['matmul_ms_per_step']:.1f} | "
                          f"{t['ms_per_step']:.1f} | {t['ms_per_step'] / r['ms_per_step']:.2f} | "
                          f"{t['ms_per_step'] / r['matmul_ms_per_step']:.2f} |")
-    if s.get("fp32_plans"):
-        lines += ["", "fp32 forms the autotuner chose on this machine (per row-count bucket "
-                  "1/2/4/8/16/32/64/128; `hand` = compiled kernels' panels): "
-                  + "; ".join(f"{k}: {'/'.join(v)}" for k, v in s["fp32_plans"].items())
-                  + f"; fused decode layer: {'/'.join('y' if f else 'n' for f in s.get('fused_plan', []))}."]
+    plans = s.get("plans") or ({"float32": s["fp32_plans"] | {"fused": s.get("fused_plan", [])}}
+                               if s.get("fp32_plans") else {})
+    if plans:
+        lines += ["", "Forms the autotuner chose on this machine, per weight dtype (per row-count bucket "
+                  "1/2/4/8/16/32/64/128; `hand` = compiled kernels' panels, `onednn` = oneDNN's blocked layout, "
+                  "`int8mm` = torch's int8 GEMM):", ""]
+        for dt, p in plans.items():
+            fused = p.get("fused", [])
+            lines.append(f"- {dt}: " + "; ".join(f"{k}: {'/'.join(v)}" for k, v in p.items() if k != "fused")
+                         + f"; fused decode layer: {'/'.join('y' if f else 'n' for f in fused)}.")
     lines += ["", "Schedules (solved for the new-token count above):", ""]
     for sp, d in s["schedules"].items():
         lines.append(f"- {float(sp):g}x: budget {d['max_exit_layer']} -> {d['min_exit_layer']} over "
