@@ -58,6 +58,9 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     assert "| SkipDecode | 3x |" in md and "| static | 3x |" in md
     assert (tmp_path / "out" / "quality.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "quality.json").read_text()) == json.loads(json.dumps(rep))
+    # the shipped checkpoint's (by-MR) training set mentions the held-out names: said in the report
+    assert rep["held_out_names"] and rep["by_mr_training_examples_with_held_out_names"] > 0
+    assert f"{rep['by_mr_training_examples_with_held_out_names']} examples that mention a held-out name" in md
 
 
 def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first_difference():
