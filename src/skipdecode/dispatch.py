@@ -3,8 +3,8 @@
 Users' CPUs differ (AVX2 only, AVX-512, AMX), and so does the fastest way to
 multiply a few rows by a weight: the compiled kernels' panels win at one
 row on some machines, oneDNN's blocked layout at 32 on others. Rather than
-guess, each fp32 weight shape is timed once per machine with both forms at
-every row-count bucket (fp32 and bf16 weights alike); the faster is recorded in
+guess, each weight shape and dtype is timed once per machine in both forms at
+every row-count bucket; the faster is recorded in
 ``$SKIPDECODE_CACHE/autotune.json`` (keyed by CPU, torch version, kernel source
 and thread count) and used from then on. A form that wins no bucket is not
 even kept in memory. The library form is oneDNN's blocked layout for fp32 and
