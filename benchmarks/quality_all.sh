@@ -28,4 +28,9 @@ for x in 2 3 5; do
     -o runs/drop-${x}x-base
   MODEL=runs/drop-${x}x-base $Q names-drop-${x}x "--speedups 1" -- --speedups 1
 done
+# the capacity bound: the same recipe with full fine-tuning instead of LoRA
+[ -f $R/eval-names-full-ft.json ] || benchmarks/quality_full_ft.sh
+# the shipped checkpoint (its own recipe, by-MR split, which mentions the held-out names)
+[ -f $R/eval-names-default-e2e.json ] || $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv \
+  --split validation-names --model default-e2e --speedups 1,2,3,4,5 --out $R/eval-names-default-e2e.json
 # then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)
