@@ -23,10 +23,11 @@ namespace {
 
 constexpr int64_t NR = 16;   // panel width: output columns per micro-kernel (two AVX registers)
 constexpr int64_t MR = 6;    // rows per micro-kernel: 12 accumulators + 2 weights + 1 broadcast
-// Panels stream from memory once per step. The hardware prefetcher alone left
-// the loads waiting (measured: the int8 panels at 1 row ran 1.6x slower cold
-// than warm); asking for the line 4 KB ahead in the same panel stream cut the
-// cold time of every dtype at 1-32 rows by 10-35%.
+// Panels stream from memory once per step, and the hardware prefetcher alone
+// left the loads waiting: each micro-kernel step asks for the line 4 KB ahead
+// in the same panel stream. With the accumulator sets of micro_kernel, this
+// took the committed fp32 batch-8 decode step from 41.4 to 32.2 ms
+// (benchmarks/results/bench.md before and after, same machine).
 constexpr int64_t PF_BYTES = 4096;
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
 
