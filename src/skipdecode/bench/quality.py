@@ -32,6 +32,7 @@ from .decode import machine_info
 RESULTS = Path("benchmarks/results")
 REFERENCE = "full-depth fine-tuning"
 SHIPPED = "shipped default-e2e (own recipe, by-MR split)"
+FULL_FT = "SkipDecode, full fine-tuning"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def quality_rows() -> list[Row]:
         Row("untrained", {s: r("names-untrained") for s in every}, {s: "default" for s in every}),
         Row(REFERENCE, {1.0: r("names-full-only")}, {1.0: "runs/names-full-only"}),
         Row("SkipDecode", {s: r("e2e-names-lora32") for s in every}, {s: "runs/e2e-names-lora32" for s in every}),
-        Row("SkipDecode, full fine-tuning", {s: r("names-full-ft") for s in every},
+        Row(FULL_FT, {s: r("names-full-ft") for s in every},
             {s: "runs/names-full-ft" for s in every}),
         Row("SkipDecode + self-distillation", {s: r("names-distill") for s in every},
             {s: "runs/names-distill" for s in every}),
@@ -179,8 +180,10 @@ def render_markdown(rep: dict) -> str:
                      f"{100 * r['bleu_kept_vs_reference']:.1f}% |")
     lines += ["", "Static layer drop removes the same layers for every token, prompt included (a smaller "
               "model: `skipdecode prune`, ShortGPT block influence); its BLEU is that model's, fine-tuned at "
-              "its own depth with the same recipe. `SkipDecode, full fine-tuning` is the same recipe with every "
-              "weight trained instead of LoRA (lr 2e-4; `benchmarks/quality_full_ft.sh`): the capacity bound.", "",
+              "its own depth with the same recipe."
+              + (" `SkipDecode, full fine-tuning` is the same recipe with every weight trained instead of LoRA "
+                 "(lr 2e-4; `benchmarks/quality_full_ft.sh`): the capacity bound."
+                 if any(r["method"] == FULL_FT for r in rep["results"]) else ""), "",
               f"`{SHIPPED}` is the checkpoint the package ships (LoRA r=16, 150 steps, 1x-5x, by-MR E2E "
               "training split: `benchmarks/train_e2e.sh`). That split's training set has "
               f"{rep.get('by_mr_training_examples_with_held_out_names', '?')} examples that mention a held-out "
