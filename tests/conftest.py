@@ -22,6 +22,17 @@ os.environ.setdefault("SKIPDECODE_AUTOTUNE", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+
+def pytest_sessionstart(session):
+    """Build the compiled kernels once, before any test runs: otherwise the first CLI
+    subprocess to load them builds them and prints a one-time notice that tests of the
+    CLI's exact output would see (order dependent)."""
+    from skipdecode import kernels
+
+    kernels.load()
+
+
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core
 # machine OpenMP spin-waiting made the suite ~2.5x slower with 2 threads.
 torch.set_num_threads(1)
