@@ -24,7 +24,7 @@ from skipdecode.schedule import SkipSchedule  # noqa: E402
 from skipdecode.lora import LORA_TARGETS, merge_lora  # noqa: E402
 from skipdecode.training import (IGNORE, TrainConfig, TrainError, active_lengths, batch_loss_sum,  # noqa: E402
                                  batch_objective, build_schedules, draw_schedule, global_batch_indices, make_batch,
-                                 measure_step_time, train)
+                                 measure_step_time, schedule_draws, train)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,6 +111,18 @@ def test_schedule_draws_and_data_order_are_pure_functions():
     epoch = [i for s in range(5) for i in global_batch_indices(20, 4, s, seed=1)]
     assert sorted(epoch) == list(range(20))  # one epoch visits every example once
     assert global_batch_indices(20, 4, 5, 1) == global_batch_indices(20, 4, 5, 1)
+
+
+def test_a_speedup_listed_twice_is_drawn_twice_as_often():
+    cfg = TrainConfig(speedups=[1.0, 1.0, 3.0])
+    scheds = {"1x": None, "3x": None}
+    labels = schedule_draws(cfg, scheds)
+    assert labels == ["1x", "1x", "3x"]
+    seq = [draw_schedule(labels, 0, s) for s in range(3000)]
+    assert abs(seq.count("1x") / len(seq) - 2 / 3) < 0.03
+    plain = TrainConfig(speedups=[1.0, 2.0, 3.0])  # no repeats: the same draws as before
+    assert schedule_draws(plain, {"1x": None, "2x": None, "3x": None}) == ["1x", "2x", "3x"]
+    assert schedule_draws(TrainConfig(schedule_file="s.json"), {"2.00x": None}) == ["2.00x"]
 
 
 def test_decay_setting_shapes_the_training_schedules():

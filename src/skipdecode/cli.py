@@ -234,7 +234,8 @@ def add_train_cli(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--output-dir", "-o", default=None, help="where the run writes (required unless measuring)")
     s = t.add_mutually_exclusive_group()
     s.add_argument("--speedups", type=parse_speedups, default=d.speedups,
-                   help="schedule targets drawn per batch, e.g. 1,2,3,4,5 (default 1,2,3)")
+                   help="schedule targets drawn per batch, e.g. 1,2,3,4,5 (default 1,2,3); a target listed "
+                        "twice is drawn twice as often")
     s.add_argument("--schedule", dest="schedule_file", help="a fixed schedule JSON file instead")
     t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
     t.add_argument("--warmup-layers", type=NON_NEGATIVE, default=d.warmup_layers)

@@ -9,9 +9,10 @@
 """
 
 from .batch import IGNORE, Batch, active_lengths, batch_loss_sum, batch_objective, global_batch_indices, make_batch
-from .config import TrainConfig, TrainError, TrainResult, build_schedules, draw_schedule, schedule_for_speedup
+from .config import (TrainConfig, TrainError, TrainResult, build_schedules, draw_schedule, schedule_draws,
+                     schedule_for_speedup)
 from .loop import measure_step_time, prepare_model, train
 
 __all__ = ["IGNORE", "Batch", "TrainConfig", "TrainError", "TrainResult", "active_lengths", "batch_loss_sum",
            "batch_objective", "build_schedules", "draw_schedule", "global_batch_indices", "make_batch",
-           "measure_step_time", "prepare_model", "schedule_for_speedup", "train"]
+           "measure_step_time", "prepare_model", "schedule_draws", "schedule_for_speedup", "train"]

@@ -140,6 +140,12 @@ def draw_schedule(labels: Sequence[str], seed: int, step: int) -> str:
     return random.Random(f"skipdecode-schedule:{seed}:{step}").choice(list(labels))
 
 
+def schedule_draws(cfg: TrainConfig, schedules: dict[str, SkipSchedule]) -> list[str]:
+    """The labels an optimizer step draws from, each equally likely: a target listed twice
+    (``--speedups 1,1,2,3``) is drawn twice as often, which weights the training toward it."""
+    return [schedule_label(t) for t in cfg.speedups] if not cfg.schedule_file else list(schedules)
+
+
 def build_schedules(cfg: TrainConfig, num_layers: int, expected_new_tokens: int) -> dict[str, SkipSchedule]:
     if cfg.schedule_file:
         s = SkipSchedule.from_file(cfg.schedule_file, num_layers)

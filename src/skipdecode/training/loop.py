@@ -85,6 +85,7 @@ from .config import (
     _check_resume,
     build_schedules,
     draw_schedule,
+    schedule_draws,
     schedule_for_speedup,
     schedule_label,
 )
@@ -251,7 +252,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
 
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in train_items))
     schedules = build_schedules(cfg, L, expected)
-    labels = list(schedules)
+    labels = schedule_draws(cfg, schedules)
     total = cfg.steps or math.ceil(cfg.epochs * len(train_items) / cfg.batch_size)
     if total < 1:
         raise TrainError("nothing to train: steps/epochs give 0 optimizer steps")
