@@ -30,6 +30,10 @@ for x in 2 3 5; do
 done
 # the capacity bound: the same recipe with full fine-tuning instead of LoRA
 [ -f $R/eval-names-full-ft.json ] || benchmarks/quality_full_ft.sh
+# SkipDecode with 1x drawn twice as often as each other target (the 1x gap)
+[ -f $R/eval-names-weighted.json ] || $Q names-weighted "" -- --speedups 1,1,2,3,4,5
+# the same, trained twice as long (600 steps of 16, about 2.5 epochs)
+[ -f $R/eval-names-weighted-long.json ] || $Q names-weighted-long "" -- --speedups 1,1,2,3,4,5 --steps 600
 # the shipped checkpoint (its own recipe, by-MR split, which mentions the held-out names)
 [ -f $R/eval-names-default-e2e.json ] || $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv \
   --split validation-names --model default-e2e --speedups 1,2,3,4,5 --out $R/eval-names-default-e2e.json

@@ -33,6 +33,8 @@ RESULTS = Path("benchmarks/results")
 REFERENCE = "full-depth fine-tuning"
 SHIPPED = "shipped default-e2e (own recipe, by-MR split)"
 FULL_FT = "SkipDecode, full fine-tuning"
+WEIGHTED = "SkipDecode, 1x drawn twice"
+WEIGHTED_LONG = "SkipDecode, 1x drawn twice, 600 steps"
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ def quality_rows() -> list[Row]:
             {s: "runs/names-full-ft" for s in every}),
         Row("SkipDecode + self-distillation", {s: r("names-distill") for s in every},
             {s: "runs/names-distill" for s in every}),
+        Row(WEIGHTED, {s: r("names-weighted") for s in every}, {s: "runs/names-weighted" for s in every}),
+        Row(WEIGHTED_LONG, {s: r("names-weighted-long") for s in every},
+            {s: "runs/names-weighted-long" for s in every}),
         Row("early exit", {s: r("names-early-exit") for s in every}, {s: "runs/names-early-exit" for s in every},
             mode="early_exit"),
         Row("static layer drop (ShortGPT)", {s: r(f"names-drop-{s:g}x") for s in (2.0, 3.0, 5.0)},
