@@ -96,6 +96,34 @@ def test_random_arrivals_match_each_request_alone_and_the_naive_reference(deep):
     assert eng.pool.used_slots == 0
 
 
+def test_packed_prefill_equals_each_chunk_run_alone(deep):
+    """Chunks of several requests in one packed pass (one a request's second
+    chunk, after its first in the same pass) write the same keys/values and give
+    the same last-token logits as each chunk through ``forward`` on its own."""
+    from skipdecode.engine.kv_cache import KVPool, RequestKV
+    from skipdecode.model import PrefillChunk
+
+    _, model = deep
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 40, 1, 23)]
+    cuts = [(0, 0, 7), (1, 0, 16), (1, 16, 40), (2, 0, 1), (3, 5, 23)]  # (prompt, start, end); 3's 0..5 ran before
+    pools = [KVPool([256] * L, cfg.n_kv_heads, cfg.head_dim) for _ in range(2)]
+    res = [[p.reserve([64] * L) for _ in prompts] for p in pools]
+    with torch.inference_mode():
+        for pool, rs in zip(pools, res):  # prompt 3's first 5 tokens, already in its slots
+            model(torch.tensor([prompts[3][:5]]), torch.arange(5)[None], cache=RequestKV(pool, rs[3]), start=0)
+        alone = [model(torch.tensor([prompts[i][a:b]]), torch.arange(a, b)[None], cache=RequestKV(pools[0], res[0][i]),
+                       start=a, last_only=True)[0, -1] for i, a, b in cuts]
+        packed = model.prefill([PrefillChunk(prompts[i][a:b], a, RequestKV(pools[1], res[1][i])) for i, a, b in cuts])
+    assert packed.shape == (len(cuts), cfg.vocab_size)
+    for i, (x, y) in enumerate(zip(alone, packed)):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4, msg=f"chunk {cuts[i]}")
+    for l in range(L):
+        torch.testing.assert_close(pools[1].k[l], pools[0].k[l], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pools[1].v[l], pools[0].v[l], rtol=1e-4, atol=1e-4)
+
+
 def test_prompt_chunks_stay_within_the_token_budget_and_running_requests_keep_decoding(deep):
     _, model = deep
     eng = Engine(model, EngineConfig(max_prefill_tokens=48, prefill_chunk=16, kv_slots=1024))

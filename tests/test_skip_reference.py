@@ -95,36 +95,39 @@ def test_trace_active_layers_are_exactly_the_schedule_layer_sets(mode, tiny_pack
     plain, _ = generate_tokens(model, prompts, sched, NEW)
     eos_row, eos_step, eos = pick_eos([r.token_ids for r in plain], min_step=2)  # one row ends early
 
-    prefill: list[list[int]] = []  # per forward pass (one per prompt): the layers it ran
+    prefill: list[list[int]] = []  # per packed prefill pass: the layers it ran
+    prefilled: list[tuple[int, ...]] = []  # every prompt chunk prefilled: its positions
     decode: list[list[int]] = []  # per decode step: the layers it ran
-    hooks = [model.register_forward_pre_hook(lambda m, a: prefill.append([]))]
-    hooks += [blk.register_forward_pre_hook(lambda m, a, l=l: prefill[-1].append(l))
-              for l, blk in enumerate(model.layers)]
-    model_decode = model.decode
+    model_decode, model_prefill = model.decode, model.prefill
 
     def recording_decode(*a, **kw):
         decode.append([])
         return model_decode(*a, **kw)
 
-    def block_decode(l, f):
+    def recording_prefill(chunks):
+        prefill.append([])
+        prefilled.extend(tuple(range(c.start, c.start + len(c.tokens))) for c in chunks)
+        return model_prefill(chunks)
+
+    def recording(log, l, f):
         def run(*a, **kw):
-            decode[-1].append(l)
+            log[-1].append(l)
             return f(*a, **kw)
         return run
 
-    model.decode = recording_decode
+    model.decode, model.prefill = recording_decode, recording_prefill
     for l, blk in enumerate(model.layers):
-        blk.decode = block_decode(l, blk.decode)
+        blk.decode = recording(decode, l, blk.decode)
+        blk.attention_chunks = recording(prefill, l, blk.attention_chunks)
     try:
         rows, stats = generate_tokens(model, prompts, sched, NEW, eos_token_ids=[eos])
     finally:
-        for h in hooks:
-            h.remove()
-        del model.decode
+        del model.decode, model.prefill
         for blk in model.layers:
-            del blk.decode
+            del blk.decode, blk.attention_chunks
 
-    assert prefill == [list(range(L))] * len(prompts), "every prompt runs at full depth"
+    assert prefill and all(ran == list(range(L)) for ran in prefill), "every prompt runs at full depth"
+    assert sorted(prefilled) == sorted(tuple(range(len(p))) for p in prompts), "each prompt prefilled once, whole"
     assert len(decode) == stats["decode_steps"] == NEW - 1
     for i, ran in enumerate(decode):
         assert ran == sched.layers(i), f"decode step {i}"

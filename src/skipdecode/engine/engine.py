@@ -167,8 +167,8 @@ class Engine:
             self.counters["prompt_tokens_cached"] += st.cached_prefix
             self.prefix_cache.load(st.request.prompt_token_ids, st.cached_prefix, self.pool.k, self.pool.v,
                                    st.reservation.starts)
-        for st, start, end in plan.prefill:
-            last = self.runner.prefill(st, start, end)
+        lasts = self.runner.prefill(plan.prefill) if plan.prefill else []
+        for (st, start, end), last in zip(plan.prefill, lasts):
             st.prefilled = end
             self.counters["prompt_tokens_computed"] += end - start
             if last is not None:

@@ -4,9 +4,11 @@ by the scheduler."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from ..model import LayerRows, Transformer
+from ..model import LayerRows, PrefillChunk, Transformer
 from .kv_cache import KVPool, RequestKV
 from .request import RequestState
 from .scheduler import StepPlan
@@ -18,14 +20,14 @@ class ModelRunner:
         self._pools = pool.pools()
 
     @torch.inference_mode()
-    def prefill(self, st: RequestState, start: int, end: int) -> torch.Tensor | None:
-        """Prompt tokens ``start..end-1`` at full depth into the request's slots;
-        the last position's logits ``(vocab,)`` when the chunk ends the prompt."""
-        tokens = torch.tensor([st.request.prompt_token_ids[start:end]])
-        positions = torch.arange(start, end)[None]
-        logits = self.model(tokens, positions, None, cache=RequestKV(self.pool, st.reservation), start=start,
-                            last_only=True)
-        return logits[0, -1] if end == st.prompt_len else None
+    def prefill(self, chunks: Sequence[tuple[RequestState, int, int]]) -> list[torch.Tensor | None]:
+        """Prompt tokens ``start..end-1`` of each request at full depth into its
+        slots, every chunk of the step in one packed pass; per chunk, the last
+        position's logits ``(vocab,)`` when the chunk ends its prompt, else None."""
+        logits = self.model.prefill([PrefillChunk(st.request.prompt_token_ids[start:end], start,
+                                                  RequestKV(self.pool, st.reservation))
+                                     for st, start, end in chunks])
+        return [row if end == st.prompt_len else None for (st, _, end), row in zip(chunks, logits)]
 
     @torch.inference_mode()
     def decode(self, plan: StepPlan) -> torch.Tensor:
