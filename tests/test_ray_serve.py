@@ -25,8 +25,27 @@ from test_server import chat_model_dir  # noqa: E402,F401  (the tiny model with 
 def ray_server(chat_model_dir):  # noqa: F811
     s = Server(chat_model_dir, "--ray", "--num-replicas", "2", "--replica-cpus", "1", "--served-model-name", "tiny",
                timeout=240)
-    yield s
-    s.stop()
+    try:
+        _until_both_replicas_route(s)
+        yield s
+    finally:
+        s.stop()
+
+
+def _until_both_replicas_route(server, timeout: float = 120.0) -> None:
+    """Serve reports the application ready once its replicas run, but its HTTP
+    proxy learns of them asynchronously: a first burst may all go to one. Wait
+    (bounded) until a burst reaches both."""
+    async def burst():
+        c = _client(server)
+        return {rid for rid, _, _ in await asyncio.gather(*(_one(c, f"warm {i}", 1, 8) for i in range(16)))}
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(asyncio.run(burst())) == 2:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the Ray Serve proxy routed to one replica only for {timeout} s: {server.output()}")
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +91,19 @@ def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(ray_server):
         async def long(i):  # streams that outlive the kill; those on the survivor must finish
             r = c.completions.with_streaming_response.create(
                 model="tiny", prompt=f"long {i}", max_tokens=400, temperature=0, stream=True)
-            async with r as resp:
+            try:
+                resp = await r.__aenter__()
+            except openai.APIError:  # routed to the killed replica before its headers: no replica served it
+                return None, False
+            try:
                 pid = int(resp.headers["x-skipdecode-replica-pid"])
                 try:
                     text = "".join([line async for line in resp.iter_lines()])
                     return pid, text.rstrip().endswith("[DONE]")
                 except Exception:  # noqa: BLE001 - the killed replica's streams may break
                     return pid, False
+            finally:
+                await r.__aexit__(None, None, None)
 
         streams = [asyncio.ensure_future(long(i)) for i in range(8)]
         await asyncio.sleep(0.5)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -214,17 +215,32 @@ def test_schemathesis_finds_no_server_error_and_the_server_survives(server, tmp_
 
 
 def test_queue_full_is_429_with_retry_after(chat_model_dir):
+    """With one running slot and no queue, a request that arrives while another
+    streams is refused: 429, Retry-After, ``queue_full``. The long request runs
+    on a tiny model, so it may end before the second arrives: then (only then)
+    the attempt is repeated, at most 5 times."""
     s = Server(chat_model_dir, "--max-num-seqs", "1", "--max-queue", "0")
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
-        conn.request("POST", "/v1/completions", body=json.dumps(
-            {"model": str(chat_model_dir), "prompt": "Tell a long story.", "max_tokens": 480, "stream": True}),
-            headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        r.readline()
-        status, headers, err = _post(s, "/v1/completions", {"model": str(chat_model_dir), "prompt": "hi"}, key=None)
+        for _ in range(5):
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+            conn.request("POST", "/v1/completions", body=json.dumps(
+                {"model": str(chat_model_dir), "prompt": "Tell a long story.", "max_tokens": 480, "stream": True}),
+                headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.readline()
+            ended: list[float] = []  # when the long stream ended
+            reader = threading.Thread(target=lambda: (r.read(), ended.append(time.monotonic())))
+            reader.start()
+            sent = time.monotonic()
+            status, headers, err = _post(s, "/v1/completions", {"model": str(chat_model_dir), "prompt": "hi"},
+                                         key=None)
+            answered = time.monotonic()
+            reader.join(60)
+            conn.close()
+            if status == 429 or ended[0] > answered:  # the long one ran all along: the answer is the verdict
+                break
         assert status == 429 and headers.get("retry-after") == "1" and err["error"]["code"] == "queue_full"
-        conn.close()
+        assert ended[0] > sent, "the long request was still streaming when the second was refused"
     finally:
         s.stop()
 
