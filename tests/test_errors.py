@@ -181,6 +181,46 @@ def test_unreadable_config(tiny_cli_dir, tmp_path, capsys):
     assert_user_error(capsys, _gen(d, "hello"), "cannot read", "config.json")
 
 
+def _adapter(base: Path, out: Path) -> Path:
+    """A LoRA adapter directory for ``base``, as ``skipdecode train --lora`` writes it."""
+    from skipdecode.checkpoint import load_model
+    from skipdecode.lora import apply_lora, save_adapter
+
+    net, path = load_model(base)
+    return save_adapter(apply_lora(net, r=2, alpha=4, dropout=0.0, seed=0), path, out, {})
+
+
+def test_adapter_with_truncated_weights(tiny_cli_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))
+    a = _adapter(tiny_cli_dir, tmp_path / "adapter")
+    assert run_cli(capsys, *_gen(a, "hello"))[0] == 0  # the intact adapter loads
+    w = a / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    assert_user_error(capsys, _gen(a, "hello"), "cannot read", "adapter_model.safetensors", "truncated")
+
+
+def test_adapter_without_weights_or_with_bad_config(tiny_cli_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))
+    a = _adapter(tiny_cli_dir, tmp_path / "adapter")
+    (a / "adapter_config.json").write_text("{not json")
+    assert_user_error(capsys, _gen(a, "hello"), "adapter_config.json", "not valid JSON")
+    (a / "adapter_model.safetensors").unlink()
+    assert_user_error(capsys, _gen(a, "hello"), "no adapter_model.safetensors")
+
+
+def test_adapter_for_another_base_model(tiny_cli_dir, tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))
+    a = _adapter(tiny_cli_dir, tmp_path / "adapter")
+    sd = load_file(a / "adapter_model.safetensors")
+    k = next(k for k in sd if "lora_A" in k)
+    sd[k] = torch.zeros(sd[k].shape[0], sd[k].shape[1] + 8)  # trained on a wider model
+    save_file(sd, a / "adapter_model.safetensors", metadata={"format": "pt"})
+    assert_user_error(capsys, _gen(a, "hello"), "cannot apply the LoRA adapter", "another base model")
+    assert not list((tmp_path / "cache").glob("*merged*/config.json")), "no half-merged model is cached"
+
+
 def test_unsupported_architecture(tmp_path, capsys):
     d = tmp_path / "bert"
     d.mkdir()

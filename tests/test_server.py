@@ -167,6 +167,9 @@ def test_invalid_fields_are_400_in_openai_shape(server, body, param):
 def test_errors_for_context_model_key_and_bad_json(server):
     status, _, err = _post(server, "/v1/completions", {"model": NAME, "prompt": "x" * 500, "max_tokens": 50})
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    assert err["error"]["param"] == "max_tokens"  # the prompt fits; with max_tokens it does not
+    status, _, err = _post(server, "/v1/completions", {"model": NAME, "prompt": [5] * 600, "max_tokens": 1})
+    assert status == 400 and err["error"]["param"] == "prompt"  # longer than the 512-token context by itself
     status, _, err = _post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
     assert status == 404 and err["error"]["code"] == "model_not_found"
     for key in (None, "wrong"):

@@ -82,6 +82,9 @@ def resolve(model: str | os.PathLike) -> Path:
         return convert_gguf(p, cache_dir() / f"{p.stem}-{_file_key(p)}")
     if p.is_dir() and (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
         files = [p / "adapter_config.json", p / "adapter_model.safetensors"]
+        if not files[1].is_file():
+            raise ModelError(f"{p} has adapter_config.json but no adapter_model.safetensors: "
+                             "copy the whole adapter directory (peft's save_pretrained writes both)")
         return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_file_key(*files)}")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise ModelError(f"{p} is not a Hugging Face model directory (no config.json) nor a .gguf file")

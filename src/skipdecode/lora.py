@@ -53,6 +53,20 @@ def merge_peft_model(model: nn.Module) -> Transformer:
     return merged.eval().requires_grad_(False)
 
 
+def _check_adapter_weights(path: Path) -> None:
+    """A clear error for a missing, truncated or foreign weights file, before peft reads it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"cannot read {path}: {e} (truncated or not a safetensors file?); "
+                         "copy or save the adapter again") from None
+    if not any("lora_" in n for n in names):
+        raise ModelError(f"{path} holds no LoRA weights (no tensor named lora_*): not a LoRA adapter")
+
+
 def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                base_model: str | None = None) -> Path:
     """Merge a saved LoRA adapter into its base model and write a full Hugging Face directory."""
@@ -64,11 +78,21 @@ def merge_lora(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike | None
     cfg_file = adapter / "adapter_config.json"
     if not cfg_file.is_file():
         raise ModelError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
-    base = base_model or json.loads(cfg_file.read_text()).get("base_model_name_or_path")
+    try:
+        adapter_cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"cannot read {cfg_file}: not valid JSON ({e}); save the adapter again") from None
+    base = base_model or (adapter_cfg.get("base_model_name_or_path") if isinstance(adapter_cfg, dict) else None)
     if not base:
         raise ModelError(f"{cfg_file} names no base model: pass base_model")
+    _check_adapter_weights(adapter / "adapter_model.safetensors")
     net, path = load_model(base)
-    model = PeftModel.from_pretrained(net, str(adapter))
+    try:
+        model = PeftModel.from_pretrained(net, str(adapter))
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:  # peft: wrong base, shapes, or config fields
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot apply the LoRA adapter {adapter} to {base}: {first[:300]} "
+                         "(was it trained on another base model?)") from None
     meta_file = adapter / "skipdecode.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     return save_hf_model(merge_peft_model(model), path, Path(out_dir) if out_dir else adapter / "merged", meta)

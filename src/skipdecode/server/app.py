@@ -224,7 +224,8 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         if len(prompt_ids) + max_tokens - 1 > ctx:
             raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
                                 f"max_tokens is {max_tokens}: shorten the prompt or lower max_tokens",
-                           param="max_tokens" if len(prompt_ids) < ctx else "messages",
+                           param="max_tokens" if len(prompt_ids) < ctx else
+                           ("messages" if hasattr(body, "messages") else "prompt"),
                            code="context_length_exceeded")
         speedup = body.speedup
         if speedup is None and body.schedule is None:
