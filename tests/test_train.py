@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,28 @@ def test_full_finetune_end_to_end_exports_hf_directory(tmp_path, tiny_text, e2e_
         train(_run_cfg(tiny_text, e2e_csv, out, resume=True))
     with pytest.raises(TrainError, match="--merge"):
         train(_run_cfg(tiny_text, e2e_csv, tmp_path / "x", merge=True))
+
+
+def test_bf16_mixed_precision_runs_matmuls_in_bf16_and_keeps_fp32_state(tmp_path, tiny_text, e2e_csv):
+    """--mixed-precision bf16: the loss differs from fp32 by bf16 rounding only, the run still
+    learns, the saved weights are fp32, and a run cannot switch precision on resume."""
+    fp32 = train(_run_cfg(tiny_text, e2e_csv, tmp_path / "fp32", eval_examples=0))
+    bf16 = train(_run_cfg(tiny_text, e2e_csv, tmp_path / "bf16", eval_examples=0, mixed_precision="bf16",
+))
+    a, b = fp32.losses[0], bf16.losses[0]
+    assert a != b and abs(a - b) / a < 0.02, (a, b)  # the same step, rounded in bf16
+    assert sum(bf16.losses[-2:]) / 2 < bf16.losses[0] - 0.5
+    assert all(t.dtype == torch.float32 for t in weights(tmp_path / "bf16").values())
+    meta = json.loads((tmp_path / "bf16" / "skipdecode.json").read_text())
+    assert meta["config"]["mixed_precision"] == "bf16"
+    from skipdecode.training.config import _check_resume
+
+    with pytest.raises(TrainError, match="mixed_precision: 'bf16' -> 'no'"):
+        _check_resume(meta["config"], replace(TrainConfig(**meta["config"]), mixed_precision="no"))
+    older = {k: v for k, v in meta["config"].items() if k != "mixed_precision"}  # saved before the setting
+    _check_resume(older, replace(TrainConfig(**meta["config"]), mixed_precision="no"))
+    with pytest.raises(TrainError, match="mixed_precision must be one of"):
+        train(TrainConfig(mixed_precision="fp16"))
 
 
 @pytest.mark.parametrize("arch", ["llama_untied", "opt", "gpt2"])

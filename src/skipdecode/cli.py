@@ -256,6 +256,9 @@ def add_train_cli(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
                         "instead of replicating them (DDP); full fine-tuning")
+    t.add_argument("--mixed-precision", choices=["no", "bf16"], default=d.mixed_precision,
+                   help="bf16: matmuls and attention in bfloat16 (torch.autocast), faster steps where the CPU has "
+                        "AMX or AVX-512-BF16; weights, gradients and optimizer state stay fp32 (default: no)")
     t.add_argument("--steps", type=POSITIVE, default=None, help="optimizer steps (default: --epochs over the data)")
     t.add_argument("--epochs", type=float_arg(0, lo_open=True), default=d.epochs)
     t.add_argument("--batch-size", type=POSITIVE, default=d.batch_size, help="global examples per optimizer step")

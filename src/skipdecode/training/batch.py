@@ -64,6 +64,13 @@ def make_batch(items: Sequence[tuple[Sequence[int], Sequence[int]]], schedule: S
                  t0, n_target, sum(len(p) + len(t) - 1 for p, t in items))
 
 
+def autocast(mixed_precision: str = "no") -> torch.autocast:
+    """The forward pass's precision: ``bf16`` runs matmuls and attention in
+    bfloat16 (torch.autocast on the CPU); parameters stay fp32, so gradients
+    and AdamW's state do too, and the loss is taken in fp32 (``logits.float()``)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+
+
 def batch_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Summed cross-entropy over the batch's target tokens (the caller normalizes)."""
     return batch_objective(model, batch)[1]

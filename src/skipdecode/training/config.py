@@ -14,12 +14,14 @@ from ..policies import select
 from ..schedule import DEFAULT_DECAY, SkipSchedule
 from ..validation import SEED_MAX, check_float, check_int
 
+MIXED_PRECISION = ("no", "bf16")
+
 # Settings that change the training trajectory: a resumed run must keep them.
 _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
                 "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp", "distill",
-                "distill_temperature")
+                "distill_temperature", "mixed_precision")
 
 
 class TrainError(SkipDecodeError):
@@ -51,6 +53,9 @@ class TrainConfig:
     lora_dropout: float = 0.05
     merge: bool = False  # LoRA: also write the merged full model to output_dir/merged
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2), not DDP
+    # "bf16": forward and backward matmuls in bfloat16 under torch.autocast (fast where the CPU has AMX or
+    # AVX-512-BF16); weights, gradients, optimizer state and the loss stay fp32
+    mixed_precision: str = "no"
     # optimization
     steps: int | None = None  # optimizer steps; default: epochs over the training data
     epochs: float = 1.0
@@ -100,6 +105,8 @@ class TrainConfig:
         check_float("distill_temperature", self.distill_temperature, 0, lo_open=True, error=E)
         if self.val_groups is not None:
             check_float("val_groups", self.val_groups, 0, lo_open=True, error=E)
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise E(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         if self.mode not in ("skip", "early_exit"):
             raise E(f"mode must be 'skip' or 'early_exit', got {self.mode!r}")
         if not self.schedule_file:

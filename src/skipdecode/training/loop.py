@@ -71,6 +71,7 @@ from ..tokenization import load_tokenizer
 from .batch import (
     _micro_batches,
     _tokenize,
+    autocast,
     batch_loss_sum,
     batch_objective,
     global_batch_indices,
@@ -132,21 +133,24 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, items: list, schedule: SkipSchedule, pad_id: int, batch_size: int = 8) -> float:
+def evaluate_loss(model: nn.Module, items: list, schedule: SkipSchedule, pad_id: int, batch_size: int = 8,
+                  mixed_precision: str = "no") -> float:
     """Mean cross-entropy per target token under one schedule (teacher forced)."""
     was = model.training
     model.eval()
     total, n = 0.0, 0
     for k in range(0, len(items), batch_size):
         b = make_batch(items[k:k + batch_size], schedule, pad_id)
-        total += batch_loss_sum(model, b).item()
+        with autocast(mixed_precision):
+            total += batch_loss_sum(model, b).item()
         n += b.target_tokens
     model.train(was)
     return total / max(n, 1)
 
 
 def measure_step_time(model: nn.Module, items: list, schedules: dict[str, SkipSchedule], pad_id: int = 0,
-                      repeats: int = 3, warmup: int = 2, lr: float = 1e-6) -> dict[str, Any]:
+                      repeats: int = 3, warmup: int = 2, lr: float = 1e-6,
+                      mixed_precision: str = "no") -> dict[str, Any]:
     """Seconds per training step on one batch, per schedule, and their ratio (first / second).
 
     A step is forward + backward + AdamW update; ``forward_backward`` leaves the
@@ -167,7 +171,9 @@ def measure_step_time(model: nn.Module, items: list, schedules: dict[str, SkipSc
         for name in (names if r % 2 == 0 else names[::-1]):
             b = batches[name]
             t = time.perf_counter()
-            (batch_loss_sum(model, b) / b.target_tokens).backward()
+            with autocast(mixed_precision):
+                loss = batch_loss_sum(model, b) / b.target_tokens
+            loss.backward()
             t_fb = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -298,6 +304,9 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
                   f"{'LoRA' if cfg.lora else 'full'} fine-tuning of {L} layers, schedules "
                   + ", ".join(f"{k} (b {s.max_exit_layer}->{s.min_exit_layer}, "
                               f"{s.decode_layer_speedup(expected):.2f}x)" for k, s in schedules.items()))
+        if cfg.mixed_precision == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            _say(env, "skipdecode train: note: this CPU has no native bf16 (AMX or AVX-512-BF16); "
+                      "--mixed-precision bf16 will be emulated and likely slower than fp32")
 
     bar = None
     if env.main and cfg.progress:
@@ -324,7 +333,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
                 if fsdp:
                     runner.set_requires_gradient_sync(sync)
                 with contextlib.nullcontext() if sync or fsdp else runner.no_sync():
-                    ls, ce = batch_objective(runner, batch, cfg.distill, cfg.distill_temperature)
+                    with autocast(cfg.mixed_precision):
+                        ls, ce = batch_objective(runner, batch, cfg.distill, cfg.distill_temperature)
                     (ls * (env.world / n_target)).backward()
                 loss_sum += ls.item()
                 ce_sum += ce.item()
@@ -372,7 +382,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     val_loss = {}
     if env.main and val_items:
         for k, s in schedules.items():
-            val_loss[k] = evaluate_loss(model, val_items, s, pad_id, max(1, per_rank))
+            val_loss[k] = evaluate_loss(model, val_items, s, pad_id, max(1, per_rank), cfg.mixed_precision)
         _say(env, "skipdecode train: validation loss " + ", ".join(f"{k} {v:.3f}" for k, v in val_loss.items()))
     record.steps_done, record.final_loss, record.validation_loss = total, losses[-1] if losses else None, val_loss
     record.seconds, record.tokens_seen = elapsed0 + time.perf_counter() - t_run, tokens_seen
@@ -404,9 +414,10 @@ def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dic
     sched = {"1x": SkipSchedule.full_depth(L),
              schedule_label(speedup): schedule_for_speedup(speedup, expected, L, cfg)}
     model = prepare_model(net, cfg)
-    r = measure_step_time(model, items, sched, tokenizer_pad(tok), repeats)
+    r = measure_step_time(model, items, sched, tokenizer_pad(tok), repeats, mixed_precision=cfg.mixed_precision)
     r["note"] = "step = forward + backward + AdamW update; prompt columns run every layer in both"
     r["model"], r["lora"], r["expected_new_tokens"] = str(path), cfg.lora, expected
+    r["mixed_precision"] = cfg.mixed_precision
     r["schedule"] = sched[schedule_label(speedup)].to_dict()
     r["threads"] = torch.get_num_threads()
     return r
