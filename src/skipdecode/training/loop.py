@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..allocator import keep_freed_memory
 from ..checkpoint import DEFAULT_MODEL, load_model, save_hf_model
 from ..data import TaskData, load_task
 from ..lora import apply_lora, merge_peft_model, save_adapter
@@ -198,6 +199,7 @@ def measure_step_time(model: nn.Module, items: list, schedules: dict[str, SkipSc
 def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
     """Fine-tune a model with its skip schedule(s); see the module docstring."""
     cfg = replace(config or TrainConfig(), **overrides).validate()
+    keep_freed_memory()  # every step allocates activations of a new shape (allocator.py)
     if cfg.merge and not cfg.lora:
         raise TrainError("--merge merges a LoRA adapter: use it with --lora")
     if cfg.speedups:
@@ -405,6 +407,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
 
 def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dict[str, Any]:
     """Step time at full depth vs ``speedup`` on the first ``batch_size`` training examples."""
+    r_malloc = keep_freed_memory()
     net, path = load_model(cfg.model)
     tok = load_tokenizer(path)
     task = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.seed)
@@ -418,6 +421,7 @@ def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dic
     r["note"] = "step = forward + backward + AdamW update; prompt columns run every layer in both"
     r["model"], r["lora"], r["expected_new_tokens"] = str(path), cfg.lora, expected
     r["mixed_precision"] = cfg.mixed_precision
+    r["malloc_keeps_freed_memory"] = r_malloc
     r["schedule"] = sched[schedule_label(speedup)].to_dict()
     r["threads"] = torch.get_num_threads()
     return r
