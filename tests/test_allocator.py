@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
-glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                           reason="mallopt is glibc's")
+from skipdecode.allocator import on_glibc
+
+glibc = pytest.mark.skipif(not on_glibc(), reason="mallopt is glibc's")
 
 
 def _applied(**env: str) -> bool:

@@ -213,8 +213,7 @@ def test_bf16_mixed_precision_runs_matmuls_in_bf16_and_keeps_fp32_state(tmp_path
     """--mixed-precision bf16: the loss differs from fp32 by bf16 rounding only, the run still
     learns, the saved weights are fp32, and a run cannot switch precision on resume."""
     fp32 = train(_run_cfg(tiny_text, e2e_csv, tmp_path / "fp32", eval_examples=0))
-    bf16 = train(_run_cfg(tiny_text, e2e_csv, tmp_path / "bf16", eval_examples=0, mixed_precision="bf16",
-))
+    bf16 = train(_run_cfg(tiny_text, e2e_csv, tmp_path / "bf16", eval_examples=0, mixed_precision="bf16"))
     a, b = fp32.losses[0], bf16.losses[0]
     assert a != b and abs(a - b) / a < 0.02, (a, b)  # the same step, rounded in bf16
     assert sum(bf16.losses[-2:]) / 2 < bf16.losses[0] - 0.5

@@ -32,6 +32,11 @@ def _user_tuned() -> bool:
     return any(k.startswith("MALLOC_") for k in os.environ) or "jemalloc" in preload or "tcmalloc" in preload
 
 
+def on_glibc() -> bool:
+    """Whether this process runs on glibc, whose ``mallopt`` this module calls."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc malloc for repeated large allocations, once per process; True when applied."""
     global _applied
@@ -40,7 +45,7 @@ def keep_freed_memory() -> bool:
     _applied = False
     if os.environ.get("SKIPDECODE_MALLOC_TUNING", "1") == "0" or _user_tuned():
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -64,6 +64,7 @@ from torch import nn
 
 from ..allocator import keep_freed_memory
 from ..checkpoint import DEFAULT_MODEL, load_model, save_hf_model
+from ..dispatch import cpu_features
 from ..data import TaskData, load_task
 from ..lora import apply_lora, merge_peft_model, save_adapter
 from ..model import Transformer
@@ -306,7 +307,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
                   f"{'LoRA' if cfg.lora else 'full'} fine-tuning of {L} layers, schedules "
                   + ", ".join(f"{k} (b {s.max_exit_layer}->{s.min_exit_layer}, "
                               f"{s.decode_layer_speedup(expected):.2f}x)" for k, s in schedules.items()))
-        if cfg.mixed_precision == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if cfg.mixed_precision == "bf16" and not cpu_features()["onednn_bf16"]:
             _say(env, "skipdecode train: note: this CPU has no native bf16 (AMX or AVX-512-BF16); "
                       "--mixed-precision bf16 will be emulated and likely slower than fp32")
 
