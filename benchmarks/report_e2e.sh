@@ -24,8 +24,8 @@ add "full FT, one checkpoint for 1x/2x/3x" $R/eval-e2e-full123.json runs/e2e-ful
 add "full FT, one checkpoint for 1x/2x/3x, gentle schedules (--decay 1.25)" $R/eval-e2e-full123-gentle.json \
   runs/e2e-full123-gentle $R/train-summary-e2e-full123-gentle.json
 add "full FT, 2x only" $R/eval-e2e-full-only2x.json runs/e2e-full-only2x $R/train-summary-e2e-full-only2x.json
-add "default-e2e (LoRA, one checkpoint for 1x-5x, shipped)" $R/eval-e2e-default-e2e.json runs/default-e2e \
-  $R/train-summary-e2e-default-e2e.json
+add "LoRA r=16, one checkpoint for 1x-5x (the earlier shipped default-e2e)" $R/eval-e2e-lora16-1to5.json \
+  runs/e2e-lora16-1to5 $R/train-summary-e2e-lora16-1to5.json
 add "LoRA, one checkpoint for 1x/2x/3x, gentle schedules (--decay 1.25)" $R/eval-e2e-lora-gentle.json \
   runs/e2e-lora-gentle $R/train-summary-e2e-lora-gentle.json
 add "LoRA, 2x only" $R/eval-e2e-only2x.json runs/e2e-only2x $R/train-summary-e2e-lora-only2x.json
@@ -35,7 +35,7 @@ $BIN/python -m skipdecode.report --title "E2E (SmolLM2-135M-Instruct)" "${ARGS[@
   --command "bash benchmarks/train_e2e_full.sh" \
   --command "bash benchmarks/train_e2e_gentle.sh" \
   --command "bash benchmarks/train_e2e_per_speedup_full.sh" \
-  --command "bash benchmarks/train_e2e.sh   # the shipped default-e2e and the not-fine-tuned rows" \
+  --command "bash benchmarks/train_e2e.sh   # the LoRA 1x-5x (earlier shipped) and the not-fine-tuned rows" \
   --command "bash benchmarks/train_e2e_lora_gentle.sh" \
   --command "bash benchmarks/train_e2e_per_speedup.sh" \
   --command "bash benchmarks/report_e2e.sh" \

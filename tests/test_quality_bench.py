@@ -1,6 +1,6 @@
 """``skipdecode bench --quality``: each method's BLEU comes from its evaluation report, its speed
-is measured in the same run against the full-depth reference, and a pruned model's layer
-reduction counts against the reference's depth."""
+is measured in the same run against the full-depth reference (each distinct schedule once, on the
+base model's shapes), and a pruned model's layer reduction counts against the reference's depth."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from _train_helpers import one_thread
 from skipdecode.bench.quality import REFERENCE, Row, run_quality_bench
-from skipdecode.policies.static_drop import save_pruned
 from skipdecode.schedule import SkipSchedule
 
 
@@ -26,27 +25,27 @@ def _res(target, bleu, sched, prompts):
 
 
 def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, tiny_cli_dir):
-    from skipdecode.checkpoint import load_model
-
     prompts = ["a cheap pub", "an Italian restaurant by the river", "a coffee shop"]
     full = SkipSchedule.full_depth(6)
     skip3 = SkipSchedule.for_speedup(3, 8, 6)
     ref = _report(tmp_path / "ref.json", [_res(1.0, 50.0, full, prompts)])
     sd = _report(tmp_path / "sd.json", [_res(1.0, 48.0, full, prompts), _res(3.0, 36.0, skip3, prompts)])
-    net, path = load_model(tiny_cli_dir)
-    pruned = save_pruned(net, path, tmp_path / "drop3", [1, 2, 3, 4], [0.0] * 6, 3.0)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (pruned / f).write_bytes((tiny_cli_dir / f).read_bytes())
     drop = _report(tmp_path / "drop.json", [_res(1.0, 30.0, SkipSchedule.full_depth(2), prompts)])
-    rows = [Row(REFERENCE, {1.0: ref}, {1.0: str(tiny_cli_dir)}),
-            Row("SkipDecode", {1.0: sd, 3.0: sd}, {1.0: str(tiny_cli_dir), 3.0: str(tiny_cli_dir)}),
-            Row("static", {3.0: drop}, {3.0: str(pruned)}, static=True),
-            Row("missing", {2.0: str(tmp_path / "none.json")}, {2.0: str(tiny_cli_dir)})]
+    # the trained models need not be on this machine: only their reports and the base model
+    rows = [Row(REFERENCE, {1.0: ref}, {1.0: "runs/ref"}),
+            Row("SkipDecode", {1.0: sd, 3.0: sd}, {1.0: "runs/sd", 3.0: "runs/sd"}),
+            Row("static", {3.0: drop}, {3.0: "runs/drop-3x"}, static=True),
+            Row("missing", {2.0: str(tmp_path / "none.json")}, {2.0: "runs/none"})]
     with one_thread():
-        rep = run_quality_bench(tmp_path / "out", new_tokens=4, batch=2, repeats=1, rows=rows)
+        rep = run_quality_bench(tmp_path / "out", new_tokens=4, batch=2, repeats=1, rows=rows,
+                                base=str(tiny_cli_dir))
     got = {(r["method"], r["speedup_target"]): r for r in rep["results"]}
     assert set(got) == {(REFERENCE, 1.0), ("SkipDecode", 1.0), ("SkipDecode", 3.0), ("static", 3.0)}
     assert got[(REFERENCE, 1.0)]["wall_clock_speedup"] == 1.0
+    # one schedule, one timing: the same full-depth schedule is not timed twice
+    assert got[("SkipDecode", 1.0)]["seconds"] == got[(REFERENCE, 1.0)]["seconds"]
+    assert rep["settings"]["distinct_schedules_timed"] == 3
+    assert got[("SkipDecode", 3.0)]["model"] == "runs/sd"
     sd3 = got[("SkipDecode", 3.0)]
     assert sd3["bleu"] == 36.0 and sd3["bleu_kept_own"] == pytest.approx(36 / 48, abs=1e-4)
     assert sd3["bleu_kept_vs_reference"] == pytest.approx(36 / 50, abs=1e-4)
@@ -54,11 +53,12 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     st = got[("static", 3.0)]
     assert st["num_layers"] == 2 and st["decode_layer_speedup"] == pytest.approx(3.0)  # 6 / 2 layers
     assert st["bleu"] == 30.0 and "bleu_kept_own" not in st  # no 1x of its own
+    assert st["timed_on"] == f"{tiny_cli_dir} with 2 of its 6 layers"
     md = (tmp_path / "out" / "quality.md").read_text()
     assert "| SkipDecode | 3x |" in md and "| static | 3x |" in md
     assert (tmp_path / "out" / "quality.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "quality.json").read_text()) == json.loads(json.dumps(rep))
-    # the shipped checkpoint's (by-MR) training set mentions the held-out names: said in the report
+    # the by-MR training split mentions the held-out names: said in the report
     assert rep["held_out_names"] and rep["by_mr_training_examples_with_held_out_names"] > 0
     assert f"{rep['by_mr_training_examples_with_held_out_names']} examples that mention a held-out name" in md
 

@@ -40,6 +40,13 @@ def test_report_cli_uses_reference_for_every_row(tmp_path):
     assert "BLEU kept (own 1x) | ROUGE-L kept (own 1x) |" in md
 
 
+def test_report_row_names_may_contain_an_equals_sign(tmp_path):
+    (tmp_path / "lora.json").write_text(json.dumps(_eval({1.0: 50.0})))
+    out = tmp_path / "study"
+    assert main(["--title", "T", "--eval", f"LoRA r=16={tmp_path / 'lora.json'}", "--out", str(out)]) == 0
+    assert "| LoRA r=16 | 1x |" in out.with_suffix(".md").read_text()
+
+
 def test_training_summary_comes_from_a_run_or_a_saved_summary(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -28,7 +28,7 @@ def tuned() -> LLM:
 def test_shipped_adapter_is_compact_and_portable():
     d = shipped_adapter("default-e2e")
     size = sum(f.stat().st_size for f in d.iterdir())
-    assert size < 25 * 2**20
+    assert size <= 40 * 2**20  # the package carries it: at most 40 MB
     assert json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"] == "default"
 
 
@@ -50,5 +50,5 @@ def test_skip_trained_model_describes_the_restaurant_at_speedup(tuned, speedup):
         assert o.decode_layer_speedup > 1 + 0.5 * (speedup - 1)  # short outputs decay less
         # uses the schedule it was trained with for this target
         assert o.active_layers[0] == tuned.make_schedule(speedup=speedup).layers(0)
-    # quality is measured in benchmarks/results/train-e2e.md; here: most texts name the place
+    # quality is measured in benchmarks/results/quality.md; here: most texts name the place
     assert named >= len(MRS) - 1, [o.text for o in outs]

@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     evals = {}
     for spec in a.eval:
-        name, _, f = spec.partition("=")
+        name, _, f = spec.rpartition("=")  # a name may hold "=" (r=16), a path seldom does
         evals[name] = json.loads(Path(f).read_text())
     if a.reference is not None and a.reference not in evals:
         p.error(f"--reference {a.reference!r} is not one of the --eval names {sorted(evals)}")
-    trains = {n: train_summary(Path(d)) for n, _, d in (t.partition("=") for t in a.train)}
+    trains = {n: train_summary(Path(d)) for n, _, d in (t.rpartition("=") for t in a.train)}
     if a.train_dir:
         trains = {next(iter(evals)): train_summary(Path(a.train_dir)), **trains}
     ref = evals[a.reference]["results"] if a.reference else None
