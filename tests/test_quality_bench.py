@@ -56,6 +56,7 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     assert st["timed_on"] == f"{tiny_cli_dir} with 2 of its 6 layers"
     md = (tmp_path / "out" / "quality.md").read_text()
     assert "| SkipDecode | 3x |" in md and "| static | 3x |" in md
+    assert f"CPU: {rep['machine'].get('cpu')}, " in md and "{" not in md.split("| method |")[0]
     assert (tmp_path / "out" / "quality.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "quality.json").read_text()) == json.loads(json.dumps(rep))
     # the by-MR training split mentions the held-out names: said in the report

@@ -207,7 +207,8 @@ def render_markdown(rep: dict) -> str:
              f"median of {rep['settings']['repeats']}, prompt to last token, relative to full-depth fine-tuning "
              f"at 1x ({rep['reference']['seconds']} s). Speed depends on which layers run, not on their weights: "
              f"each distinct schedule is timed once on the base model ({rep['settings'].get('timed_on')}; for "
-             "static drop, the base with the same number of layers removed). CPU: {m.get('cpu')}, {rep['settings']['threads']} threads, "
+             "static drop, the base with the same number of layers removed). "
+             f"CPU: {m.get('cpu')}, {rep['settings']['threads']} threads, "
              f"torch {rep['settings']['torch']}.", "",
              f"Training recipe for every trained row: {rep['training_recipe']}.", "",
              "| method | target | layers run per decode token | wall-clock speedup | BLEU | kept of own 1x "
