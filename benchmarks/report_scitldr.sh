@@ -29,6 +29,8 @@ add "full FT, 2x only, --decay 1.25" $R/eval-scitldr-full-only2x.json \
   runs/scitldr-full-only2x $R/train-summary-scitldr-full-only2x.json
 add "LoRA r16, one checkpoint for 1x/2x/3x" $R/eval-scitldr-tuned.json runs/default-scitldr \
   $R/train-summary-scitldr-lora.json
+add "LoRA r32, 1x drawn twice, one checkpoint for 1x/2x/3x, --decay 1.25" $R/eval-scitldr-lora32-weighted.json \
+  runs/scitldr-lora32-weighted $R/train-summary-scitldr-lora32-weighted.json
 add "default (not fine-tuned)" $R/eval-scitldr-default.json "" ""
 [ -f $R/eval-scitldr-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only, --decay 1.25")
 $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
@@ -36,5 +38,6 @@ $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${AR
   --command "SPEEDUPS=1,2 bash benchmarks/train_scitldr_full.sh" \
   --command "bash benchmarks/train_scitldr_per_speedup_full.sh   # the 1x-only reference and the 2x-only rows" \
   --command "bash benchmarks/train_scitldr.sh   # the LoRA and the not-fine-tuned rows" \
+  --command "bash benchmarks/train_scitldr_lora_best.sh   # the shipped E2E recipe" \
   --command "bash benchmarks/report_scitldr.sh" \
   --out $R/train-scitldr
