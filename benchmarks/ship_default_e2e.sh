@@ -6,7 +6,7 @@
 # schedules (decay 1.25), one checkpoint for 1x-5x with 1x drawn twice as
 # often. Copies the adapter (about 32 MB) and its training log into the
 # package, then scores the shipped model on the held-out names at 1x-5x.
-# About 80 min of training on 2 CPU cores; a killed run resumes.
+# About 75 min of training on 2 CPU cores; a killed run resumes.
 # Run from the repository root.
 set -euo pipefail
 export HF_HUB_OFFLINE=1

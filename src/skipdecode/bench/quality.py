@@ -137,8 +137,10 @@ def run_quality_bench(out_dir: str | Path = RESULTS, quick: bool = False, new_to
             if n == base_llm.num_layers:
                 llm = base_llm
             else:
-                pruned.clear()  # one pruned copy in memory at a time
-                llm = pruned.setdefault(n, timing_model(base, n))
+                if n not in pruned:
+                    pruned.clear()  # one pruned copy in memory at a time
+                    pruned[n] = timing_model(base, n)
+                llm = pruned[n]
             timed[key] = time_generation(llm, prompts, SkipSchedule.from_dict(schedule, n), new_tokens, batch,
                                          repeats)
         return timed[key]
