@@ -64,8 +64,8 @@ from torch import nn
 
 from ..allocator import keep_freed_memory
 from ..checkpoint import DEFAULT_MODEL, load_model, save_hf_model
-from ..dispatch import cpu_features
 from ..data import TaskData, load_task
+from ..dispatch import cpu_features
 from ..lora import apply_lora, merge_peft_model, save_adapter
 from ..model import Transformer
 from ..schedule import SkipSchedule
