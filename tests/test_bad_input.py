@@ -153,7 +153,8 @@ def test_train_api_arguments(tmp_path, overrides):
 
 @FUZZ
 @given(kw=st.dictionaries(st.sampled_from(["limit", "batch_size", "max_new_tokens", "expected_new_tokens",
-                                           "horizon", "warmup_layers", "val_groups", "seed", "speedups"]),
+                                           "horizon", "warmup_layers", "val_groups", "seed", "speedups",
+                                           "decay"]),
                           JSON_VALUES, min_size=1, max_size=3))
 def test_evaluate_api_arguments(tmp_path, kw):
     with pytest.raises(SkipDecodeError):

@@ -242,10 +242,25 @@ def test_decay_chooses_how_steeply_a_solved_budget_falls():
         assert abs(s.decode_layer_speedup(29) - 2) <= 0.02 * 2
 
 
-@pytest.mark.parametrize("decay", [0.5, 2.5, float("nan"), "1.5"])
-def test_decay_outside_one_to_two_is_a_schedule_error(decay):
+@pytest.mark.parametrize("decay", [0.5, 0.999, float("nan"), float("inf"), "1.5", True])
+def test_decay_below_one_or_not_a_finite_number_is_a_schedule_error(decay):
     with pytest.raises(ScheduleError, match="decay"):
         SkipSchedule.for_speedup(2, 29, 30, decay=decay)
+
+
+@pytest.mark.parametrize("target", [2, 3, 4, 5])
+def test_a_short_horizon_with_a_high_decay_front_loads_the_budget(target):
+    """The first tokens run (near) full depth, the floor is reached by token 3, and the
+    speedup still hits the target: the depth goes where the answer's first words are."""
+    front = SkipSchedule.for_speedup(target, 29, 30, horizon=3, decay=5)
+    linear = SkipSchedule.for_speedup(target, 29, 30, decay=1.25)
+    assert abs(front.decode_layer_speedup(29) - target) <= 0.01 * target
+    assert front.budget(0) >= max(19, linear.budget(0) + 7)
+    assert front.budgets(29)[3:] == [front.min_exit_layer] * 26
+    assert front.min_exit_layer <= 30 / target  # the rest of the answer pays for the deep start
+    # a decay past full depth is full depth: nothing changes above it
+    assert SkipSchedule.for_speedup(2, 29, 30, horizon=3, decay=2) == SkipSchedule.for_speedup(
+        2, 29, 30, horizon=3, decay=40)
 
 
 def test_a_speedup_becomes_a_schedule_in_one_place():

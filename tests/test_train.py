@@ -292,6 +292,31 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
     assert all(c[k].dtype == a[k].dtype for k in a) and off < moved / 100, (off, moved)
 
 
+def test_lora_norms_train_the_norm_weights_and_load_back_exactly(tmp_path, tiny_text, e2e_csv):
+    from peft import PeftModel
+
+    out = tmp_path / "lora-norms"
+    train(_run_cfg(tiny_text, e2e_csv, out, lora=True, lora_r=4, lora_norms=True, steps=3, lr=1e-2,
+                   speedups=[1.0, 2.0], eval_examples=0))
+    from safetensors.torch import load_file
+
+    sd = load_file(out / "adapter_model.safetensors")
+    norms = [k for k in sd if "norm" in k]
+    # every block's two norms and the final norm are saved whole, beside the LoRA matrices
+    assert {k.removeprefix("base_model.model.") for k in norms} == \
+        {f"layers.{i}.{n}.weight" for i in range(8) for n in ("attn_norm", "mlp_norm")} | {"norm.weight"}, norms
+    base, _ = load_model(tiny_text)
+    trained_gain = [v for k, v in sd.items() if k.endswith("layers.3.mlp_norm.weight")]
+    assert len(trained_gain) == 1 and not torch.equal(trained_gain[0], base.layers[3].mlp_norm.weight)
+    x = torch.tensor([[1, 52, 95, 198, 40, 17]])
+    pos = torch.arange(6)[None]
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(load_model(tiny_text)[0], str(out)).eval()(x, pos)
+        loaded = load_model(out)[0](x, pos)  # the adapter directory loads as a merged model, norms included
+    assert torch.allclose(loaded, adapted, atol=1e-5)
+    assert not torch.allclose(loaded, base(x, pos), atol=1e-3)
+
+
 def test_measure_step_time_reports_ratio_and_work(tmp_path, tiny_text):
     from transformers import AutoTokenizer
 
@@ -379,6 +404,11 @@ def test_untrained_targets_are_solved_with_the_checkpoints_decay(tmp_path):
     assert got == SkipSchedule.for_speedup(2.2, 29, 30, decay=1.25, warmup_layers=trained["2x"].warmup_layers)
     steep = SkipSchedule.for_speedup(2.2, 29, 30)
     assert got.max_exit_layer < steep.max_exit_layer and got.min_exit_layer > steep.min_exit_layer
+    # an explicit decay (and horizon) re-solves even a trained target: front-loading at inference
+    front = llm.make_schedule(speedup=2, horizon=3, decay=5)
+    assert front == SkipSchedule.for_speedup(2, 29, 30, horizon=3, decay=5, warmup_layers=1)
+    assert front.budget(0) == 30 and front != trained["2x"]
+    assert llm.make_schedule(speedup=2, decay=1.25) == trained["2x"]  # the same shape solves to the same
 
 
 class _Payload:

