@@ -34,6 +34,10 @@ done
 [ -f $R/eval-names-weighted.json ] || $Q names-weighted "" -- --speedups 1,1,2,3,4,5
 # the same, trained twice as long (600 steps of 16, about 2.5 epochs)
 [ -f $R/eval-names-weighted-long.json ] || $Q names-weighted-long "" -- --speedups 1,1,2,3,4,5 --steps 600
-# the shipped checkpoint: the 600-step recipe trained again into the package
+# the 600-step checkpoint run with front-loaded schedules (the depth on the first 3 tokens), no retraining
+[ -f $R/eval-names-weighted-long-front.json ] || $BIN/skipdecode evaluate --task e2e \
+  --data ../shared/data/e2e/devset.csv --split validation-names --model runs/names-weighted-long \
+  --speedups 1,2,3,4,5 --horizon 3 --decay 5 --out $R/eval-names-weighted-long-front.json
+# the shipped checkpoint: the 600-step recipe trained with front-loaded schedules into the package
 [ -f $R/eval-names-default-e2e.json ] || benchmarks/ship_default_e2e.sh
 # then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)

@@ -17,3 +17,8 @@ RUN=runs/scitldr-lora32-weighted
 $BIN/skipdecode evaluate --task scitldr --data $DEV --limit 100 --model "$RUN" --speedups 1,2,3 \
   --out benchmarks/results/eval-scitldr-lora32-weighted.json
 bash benchmarks/report_scitldr.sh
+# the same checkpoint run with front-loaded schedules, no retraining (--horizon 3 --decay 5, the shape of the
+# shipped E2E model): does spending the depth on the first tokens carry over from E2E to summaries?
+[ -f benchmarks/results/eval-scitldr-lora32-weighted-front.json ] || $BIN/skipdecode evaluate --task scitldr \
+  --data $DEV --limit 100 --model "$RUN" --speedups 2,3 --horizon 3 --decay 5 \
+  --out benchmarks/results/eval-scitldr-lora32-weighted-front.json

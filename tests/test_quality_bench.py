@@ -70,3 +70,13 @@ def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first
     assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == {"token_agreement": 0.5, "identical_outputs": 0.0}
     assert agreement([[1, 2], [3]], [[1, 2], [3, 4]]) == {"token_agreement": 1.0, "identical_outputs": 0.5}
     assert agreement([[5, 6, 7]], [[5]]) == {"token_agreement": round(1 / 3, 4), "identical_outputs": 0.0}
+
+
+def test_names_copied_counts_outputs_that_spell_the_mrs_restaurant_name_exactly():
+    from skipdecode.bench.quality import names_copied
+
+    outs = [{"prompt": "Describe: name[The Punter], food[Chinese].", "text": "The Punter serves Chinese food."},
+            {"prompt": "Describe: name[The Punter], area[riverside].", "text": "The Puni is by the river."},
+            {"prompt": "Describe: name[Blue Spice].", "text": "Near the river is Blue Spice."}]
+    assert names_copied({"outputs": outs}) == pytest.approx(2 / 3)
+    assert names_copied({"outputs": [{"prompt": "a summary", "text": "x"}]}) is None  # not E2E: no name
