@@ -34,6 +34,8 @@ done
 [ -f $R/eval-names-weighted.json ] || $Q names-weighted "" -- --speedups 1,1,2,3,4,5
 # the same, trained twice as long (600 steps of 16, about 2.5 epochs)
 [ -f $R/eval-names-weighted-long.json ] || $Q names-weighted-long "" -- --speedups 1,1,2,3,4,5 --steps 600
+# the 1x-drawn-twice recipe with the norms' weights trained beside LoRA (reported in the README, not a table row)
+[ -f $R/eval-names-norms.json ] || $Q names-norms "" -- --speedups 1,1,2,3,4,5 --lora-norms
 # the 600-step checkpoint run with front-loaded schedules (the depth on the first 3 tokens), no retraining
 [ -f $R/eval-names-weighted-long-front.json ] || $BIN/skipdecode evaluate --task e2e \
   --data ../shared/data/e2e/devset.csv --split validation-names --model runs/names-weighted-long \
