@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -95,8 +96,6 @@ def _result(report: dict, target: float, static: bool) -> dict | None:
 def names_copied(result: dict) -> float | None:
     """Fraction of outputs that spell the MR's restaurant name exactly: the unseen names are
     what a skipped pass garbles first ("The Punter" -> "The Puni")."""
-    import re
-
     hits = [re.search(r"name\[([^\]]+)\]", o["prompt"]) for o in result["outputs"]]
     if not result["outputs"] or not all(hits):
         return None
