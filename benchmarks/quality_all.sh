@@ -40,6 +40,8 @@ done
 [ -f $R/eval-names-weighted-long-front.json ] || $BIN/skipdecode evaluate --task e2e \
   --data ../shared/data/e2e/devset.csv --split validation-names --model runs/names-weighted-long \
   --speedups 1,2,3,4,5 --horizon 3 --decay 5 --out $R/eval-names-weighted-long-front.json
-# the shipped checkpoint: the 600-step recipe trained with front-loaded schedules into the package
+# the 600-step recipe trained with front-loaded schedules
+[ -f $R/eval-names-front-600.json ] || $Q names-front-600 "" -- --speedups 1,1,2,3,4,5 --steps 600 --horizon 3 --decay 5
+# the shipped checkpoint: the same, trained 900 steps, into the package
 [ -f $R/eval-names-default-e2e.json ] || benchmarks/ship_default_e2e.sh
 # then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)
