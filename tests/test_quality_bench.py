@@ -21,7 +21,7 @@ def _report(path, results):
 def _res(target, bleu, sched, prompts):
     return {"speedup_target": target, "decode_layer_speedup": sched.decode_layer_speedup(8), "bleu": bleu,
             "rougeL": 1.0, "bertscore": 1.0, "schedule": sched.to_dict(),
-            "outputs": [{"prompt": p, "text": "x"} for p in prompts]}
+            "outputs": [{"prompt": p, "text": f"{p} {bleu}", "references": [p, f"{p} nearby"]} for p in prompts]}
 
 
 def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, tiny_cli_dir):
@@ -49,6 +49,10 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     sd3 = got[("SkipDecode", 3.0)]
     assert sd3["bleu"] == 36.0 and sd3["bleu_kept_own"] == pytest.approx(36 / 48, abs=1e-4)
     assert sd3["bleu_kept_vs_reference"] == pytest.approx(36 / 50, abs=1e-4)
+    # kept figures carry paired-bootstrap intervals around them; a row has none against itself
+    lo, hi = sd3["bleu_kept_own_95ci"]
+    assert lo <= hi and "bleu_kept_vs_reference_95ci" in sd3
+    assert "bleu_kept_own_95ci" in got[("SkipDecode", 1.0)]
     assert sd3["wall_clock_speedup"] == pytest.approx(rep["reference"]["seconds"] / sd3["seconds"], rel=0.05)
     st = got[("static", 3.0)]
     assert st["num_layers"] == 2 and st["decode_layer_speedup"] == pytest.approx(3.0)  # 6 / 2 layers
@@ -62,6 +66,28 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     # the by-MR training split mentions the held-out names: said in the report
     assert rep["held_out_names"] and rep["by_mr_training_examples_with_held_out_names"] > 0
     assert f"{rep['by_mr_training_examples_with_held_out_names']} examples that mention a held-out name" in md
+
+
+def test_paired_bootstrap_brackets_the_kept_ratio_and_is_exact_for_identical_systems():
+    from sacrebleu import corpus_bleu
+
+    from skipdecode.evaluate import paired_bleu_bootstrap
+
+    refs = [[f"the {w} is a pub near the river", f"a pub called the {w} by the river"]
+            for w in ("Punter", "Eagle", "Mill", "Phoenix", "Wrestlers", "Vaults", "Rice Boat", "Olive Grove")]
+    good = [r[0] for r in refs]
+    worse = [r[0].replace("near the river", "in town") if i % 2 else r[0] for i, r in enumerate(refs)]
+    same = paired_bleu_bootstrap(good, good, refs)
+    assert same == {"ratio": [1.0, 1.0], "difference": [0.0, 0.0]}  # the same output on every resample
+    got = paired_bleu_bootstrap(worse, good, refs, resamples=500)
+    streams = [[r[k] for r in refs] for k in range(2)]
+    point = corpus_bleu(worse, streams).score / corpus_bleu(good, streams).score
+    lo, hi = got["ratio"]
+    assert lo < point < hi <= 1.0 and lo < 0.95  # half the items are worse: clearly below 1, not a point
+    assert got["difference"][0] < got["difference"][1] <= 0
+    assert paired_bleu_bootstrap(worse, good, refs, resamples=500) == got  # seeded: reproducible
+    with pytest.raises(ValueError, match="same items"):
+        paired_bleu_bootstrap(worse[:3], good, refs)
 
 
 def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first_difference():
