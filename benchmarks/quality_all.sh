@@ -44,4 +44,7 @@ done
 [ -f $R/eval-names-front-600.json ] || $Q names-front-600 "" -- --speedups 1,1,2,3,4,5 --steps 600 --horizon 3 --decay 5
 # the shipped checkpoint: the same, trained 900 steps, into the package
 [ -f $R/eval-names-default-e2e.json ] || benchmarks/ship_default_e2e.sh
+# the 900-step recipe with the draws moved from 2x and 4x to 3x and 5x (1x:2x:3x:4x:5x = 3:1:2:1:2)
+[ -f $R/eval-names-front-35x.json ] || $Q names-front-35x "" -- --speedups 1,1,1,2,3,3,4,5,5 --steps 900 \
+  --horizon 3 --decay 5
 # then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)

@@ -106,3 +106,20 @@ def test_names_copied_counts_outputs_that_spell_the_mrs_restaurant_name_exactly(
             {"prompt": "Describe: name[Blue Spice].", "text": "Near the river is Blue Spice."}]
     assert names_copied({"outputs": outs}) == pytest.approx(2 / 3)
     assert names_copied({"outputs": [{"prompt": "a summary", "text": "x"}]}) is None  # not E2E: no name
+
+
+@pytest.mark.slow
+def test_evaluate_reports_each_speedups_share_of_its_own_1x_with_a_paired_interval(tmp_path, default_llm):
+    from pathlib import Path
+
+    from skipdecode.evaluate import evaluate
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "e2e" / "devset.csv"
+    rep = evaluate("e2e", data, speedups=(1, 2), limit=6, max_new_tokens=16, bertscore=False, llm=default_llm,
+                   out=tmp_path / "r.json", split="validation-names")
+    full, half = rep["results"]
+    assert "bleu_kept_own" not in full  # 1x is what the others are kept of
+    assert half["bleu_kept_own"] == pytest.approx(half["bleu"] / full["bleu"], abs=1e-4)
+    lo, hi = half["bleu_kept_own_95ci"]
+    assert 0 <= lo <= hi
+    assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(rep))

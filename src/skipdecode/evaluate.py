@@ -157,9 +157,19 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
                "new_tokens": sum(o.new_tokens for o in outs), "schedule": sched.to_dict(),
                "outputs": [{"prompt": it.prompt, "text": h, "references": list(it.references),
                             "token_ids": list(o.token_ids)} for it, h, o in zip(items, hyps, outs)]}
+        full = next((r for r in results if r["speedup_target"] == 1.0), None)
+        kept = ""
+        if full is not None and sp != 1 and full["bleu"] > 0:
+            # the share of this model's own full-depth BLEU kept, with a paired-bootstrap 95% interval
+            res["bleu_kept_own"] = round(res["bleu"] / full["bleu"], 4)
+            res["bleu_kept_own_95ci"] = paired_bleu_bootstrap(hyps, [o["text"] for o in full["outputs"]],
+                                                          [it.references for it in items])["ratio"]
+            lo, hi = res["bleu_kept_own_95ci"]
+            kept = f"  kept {100 * res['bleu_kept_own']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
         results.append(res)
-        print(f"{task} {sp:g}x: decode-layer speedup {res['decode_layer_speedup']:.2f}  BLEU {scores['bleu']:.2f}  "
-              f"ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)", flush=True)
+        print(f"{task} {sp:g}x: decode-layer speedup {res['decode_layer_speedup']:.2f}  BLEU {scores['bleu']:.2f}"
+              f"{kept}  ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)",
+              flush=True)
     report = {"task": task, "data": str(data), "split": split, "model": str(model), "model_path": str(llm.path),
               "settings": {"dtype": dtype, "expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
                            "warmup_layers": warmup_layers, "decay": decay, "mode": mode, "batch_size": batch_size,

@@ -46,6 +46,7 @@ FULL_FT = "SkipDecode, full fine-tuning"
 WEIGHTED = "SkipDecode, 1x drawn twice"
 WEIGHTED_LONG = "SkipDecode, 1x drawn twice, 600 steps"
 FRONT_AT_INFERENCE = "the same, front-loaded at inference only"
+REWEIGHTED = "front-loaded, 900 steps, draws 3:1:2:1:2 (1x-5x)"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ def quality_rows() -> list[Row]:
         Row("static layer drop (ShortGPT)", {s: r(f"names-drop-{s:g}x") for s in (2.0, 3.0, 5.0)},
             {s: f"runs/names-drop-{s:g}x" for s in (2.0, 3.0, 5.0)}, static=True),
         Row(SHIPPED, {s: r("names-default-e2e") for s in every}, {s: "default-e2e" for s in every}),
+        Row(REWEIGHTED, {s: r("names-front-35x") for s in every}, {s: "runs/names-front-35x" for s in every}),
     ]
 
 
