@@ -15,6 +15,8 @@ RUN=runs/$NAME
   --lora-r 32 --lora-alpha 64 --decay 1.25 --steps 300 --batch-size 16 --lr 1e-3 \
   --save-every 25 --no-progress -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume) "$@"
 cp "$RUN/train_log.jsonl" "benchmarks/results/train-log-$NAME.jsonl" 2>/dev/null || true
+# the run's record: schedules, settings, validation loss per schedule, training seconds
+cp "$RUN/skipdecode.json" "benchmarks/results/train-record-$NAME.json" 2>/dev/null || true
 # shellcheck disable=SC2086
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation-names --model "$RUN" \
   --speedups 1,2,3,4,5 $EVAL_FLAGS --out "benchmarks/results/eval-$NAME.json"

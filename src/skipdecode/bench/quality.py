@@ -281,6 +281,9 @@ def render_markdown(rep: dict) -> str:
               "`--horizon 3 --decay 5`, name-disjoint training split). It is not trained on the by-MR split, "
               f"whose training set has {rep.get('by_mr_training_examples_with_held_out_names', '?')} examples "
               f"that mention a held-out name ({', '.join(rep.get('held_out_names', []))}).", "",
+              f"`{REWEIGHTED}` is the shipped recipe with draws moved from 2x and 4x to 3x and 5x: "
+              "`--speedups 1,1,1,2,3,3,4,5,5` (1x:2x:3x:4x:5x drawn 3:1:2:1:2 instead of 2:1:1:1:1), same "
+              "schedules, steps and seed.", "",
               "Commands:", "", "```"] + rep["commands"] + ["```", ""]
     return "\n".join(lines)
 
