@@ -309,12 +309,16 @@ def plot(rep: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     methods = list(dict.fromkeys(r["method"] for r in rep["results"]))
-    for name in methods:
+    colors = plt.get_cmap("tab20").colors  # more methods than the default cycle's 10 colours
+    for i, name in enumerate(methods):
         pts = sorted((r["wall_clock_speedup"], r["bleu"]) for r in rep["results"] if r["method"] == name)
         if name == REFERENCE:
             ax.axhline(pts[0][1], color="grey", ls="--", lw=1, label=f"{name} (1x)")
             continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        shipped = name == SHIPPED
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*" if shipped else "o", lw=2.5 if shipped else 1.2,
+                ms=10 if shipped else 5, color="black" if shipped else colors[(2 * i) % 20 + (2 * i) // 20 % 2],
+                label=name, zorder=3 if shipped else 2)
     ax.set_xlabel("measured wall-clock speedup (vs full-depth fine-tuning)")
     ax.set_ylabel("BLEU, unseen restaurant names")
     ax.grid(alpha=0.3)
