@@ -49,10 +49,10 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     sd3 = got[("SkipDecode", 3.0)]
     assert sd3["bleu"] == 36.0 and sd3["bleu_kept_own"] == pytest.approx(36 / 48, abs=1e-4)
     assert sd3["bleu_kept_vs_reference"] == pytest.approx(36 / 50, abs=1e-4)
-    # kept figures carry paired-bootstrap intervals around them; a row has none against itself
+    # kept figures carry paired-bootstrap intervals; a row against itself is exactly [1, 1]
     lo, hi = sd3["bleu_kept_own_95ci"]
     assert lo <= hi and "bleu_kept_vs_reference_95ci" in sd3
-    assert "bleu_kept_own_95ci" in got[("SkipDecode", 1.0)]
+    assert got[("SkipDecode", 1.0)]["bleu_kept_own_95ci"] == [1.0, 1.0]
     assert sd3["wall_clock_speedup"] == pytest.approx(rep["reference"]["seconds"] / sd3["seconds"], rel=0.05)
     st = got[("static", 3.0)]
     assert st["num_layers"] == 2 and st["decode_layer_speedup"] == pytest.approx(3.0)  # 6 / 2 layers

@@ -309,7 +309,9 @@ def plot(rep: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     methods = list(dict.fromkeys(r["method"] for r in rep["results"]))
-    colors = plt.get_cmap("tab20").colors  # more methods than the default cycle's 10 colours
+    # more methods than the default cycle's 10 colours: tab20's dark shades first, then its light ones
+    tab20 = plt.get_cmap("tab20").colors
+    colors = [tab20[k] for k in [*range(0, 20, 2), *range(1, 20, 2)]]
     for i, name in enumerate(methods):
         pts = sorted((r["wall_clock_speedup"], r["bleu"]) for r in rep["results"] if r["method"] == name)
         if name == REFERENCE:
@@ -317,7 +319,7 @@ def plot(rep: dict, path: Path) -> None:
             continue
         shipped = name == SHIPPED
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*" if shipped else "o", lw=2.5 if shipped else 1.2,
-                ms=10 if shipped else 5, color="black" if shipped else colors[(2 * i) % 20 + (2 * i) // 20 % 2],
+                ms=10 if shipped else 5, color="black" if shipped else colors[i % 20],
                 label=name, zorder=3 if shipped else 2)
     ax.set_xlabel("measured wall-clock speedup (vs full-depth fine-tuning)")
     ax.set_ylabel("BLEU, unseen restaurant names")
