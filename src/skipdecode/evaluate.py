@@ -49,14 +49,19 @@ def bertscore_model_dir() -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 
 
+def reference_streams(refs: Sequence[Sequence[str]]) -> list[list[str | None]]:
+    """sacrebleu's layout of multi-reference data: stream k holds every item's k-th reference,
+    ``None`` where an item has fewer."""
+    n_refs = max(len(r) for r in refs)
+    return [[r[k] if k < len(r) else None for r in refs] for k in range(n_refs)]
+
+
 def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], bertscore: bool = True) -> dict[str, float | None]:
     """Corpus BLEU, mean ROUGE-L F1 and mean BERTScore F1, all x100."""
     import sacrebleu
     from rouge_score import rouge_scorer
 
-    n_refs = max(len(r) for r in refs)
-    streams = [[r[k] if k < len(r) else None for r in refs] for k in range(n_refs)]
-    bleu = sacrebleu.corpus_bleu(list(hyps), streams).score
+    bleu = sacrebleu.corpus_bleu(list(hyps), reference_streams(refs)).score
     rs = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     rouge = statistics.fmean(rs.score_multi(list(r), h)["rougeL"].fmeasure for h, r in zip(hyps, refs)) * 100
     bs = None
@@ -83,8 +88,7 @@ def paired_bleu_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: S
     if not (len(hyps) == len(base_hyps) == len(refs)) or not refs:
         raise ValueError(f"paired bootstrap needs the same items: {len(hyps)} outputs, {len(base_hyps)} "
                          f"baseline outputs, {len(refs)} reference sets")
-    n_refs = max(len(r) for r in refs)
-    streams = [[r[k] if k < len(r) else None for r in refs] for k in range(n_refs)]
+    streams = reference_streams(refs)
     bleu = BLEU()
     a = np.asarray(bleu._extract_corpus_statistics(list(hyps), streams))
     b = np.asarray(bleu._extract_corpus_statistics(list(base_hyps), streams))
@@ -138,6 +142,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
     exp = expected_new_tokens or llm.training.get("expected_new_tokens") or expected_length(llm, items)
     max_new = max_new_tokens or max(64, 2 * exp)
     L = llm.num_layers
+    refs = [it.references for it in items]
     results = []
     for sp in speedups:
         sched = llm.make_schedule(speedup=sp, expected_new_tokens=expected_new_tokens, mode=mode,
@@ -151,7 +156,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
         hyps = [o.text.strip() for o in outs]
         fed = sum(len([a for a in o.active_layers if a]) for o in outs)
         ran = sum(len(a) for o in outs for a in o.active_layers)
-        scores = score(hyps, [it.references for it in items], bertscore)
+        scores = score(hyps, refs, bertscore)
         res = {"speedup_target": float(sp), "decode_layer_speedup": round(L * fed / ran, 4) if ran else 1.0,
                **scores, "n_examples": len(items), "seconds": round(seconds, 2),
                "new_tokens": sum(o.new_tokens for o in outs), "schedule": sched.to_dict(),
@@ -163,7 +168,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
             # the share of this model's own full-depth BLEU kept, with a paired-bootstrap 95% interval
             res["bleu_kept_own"] = round(res["bleu"] / full["bleu"], 4)
             res["bleu_kept_own_95ci"] = paired_bleu_bootstrap(hyps, [o["text"] for o in full["outputs"]],
-                                                          [it.references for it in items])["ratio"]
+                                                              refs)["ratio"]
             lo, hi = res["bleu_kept_own_95ci"]
             kept = f"  kept {100 * res['bleu_kept_own']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
         results.append(res)
