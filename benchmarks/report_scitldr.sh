@@ -31,6 +31,8 @@ add "LoRA r16, one checkpoint for 1x/2x/3x" $R/eval-scitldr-tuned.json runs/defa
   $R/train-summary-scitldr-lora.json
 add "LoRA r32, 1x drawn twice, one checkpoint for 1x/2x/3x, --decay 1.25" $R/eval-scitldr-lora32-weighted.json \
   runs/scitldr-lora32-weighted $R/train-summary-scitldr-lora32-weighted.json
+add "full FT, front-loaded (--horizon 3 --decay 5), 1x drawn twice, one checkpoint for 1x/2x/3x" \
+  $R/eval-scitldr-full-front.json runs/scitldr-full-front $R/train-summary-scitldr-full-front.json
 add "default (not fine-tuned)" $R/eval-scitldr-default.json "" ""
 [ -f $R/eval-scitldr-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only, --decay 1.25")
 $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
@@ -39,5 +41,6 @@ $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${AR
   --command "bash benchmarks/train_scitldr_per_speedup_full.sh   # the 1x-only reference and the 2x-only rows" \
   --command "bash benchmarks/train_scitldr.sh   # the LoRA and the not-fine-tuned rows" \
   --command "bash benchmarks/train_scitldr_lora_best.sh   # the shipped E2E recipe" \
+  --command "bash benchmarks/train_scitldr_front.sh   # the shipped E2E schedules, full fine-tuning" \
   --command "bash benchmarks/report_scitldr.sh" \
   --out $R/train-scitldr

@@ -90,6 +90,24 @@ def test_paired_bootstrap_brackets_the_kept_ratio_and_is_exact_for_identical_sys
         paired_bleu_bootstrap(worse[:3], good, refs)
 
 
+def test_rouge_bootstrap_brackets_the_kept_mean_rouge_l_and_is_exact_for_identical_systems():
+    from skipdecode.evaluate import paired_rouge_bootstrap, score
+
+    refs = [[f"we propose {w} for sparse attention in long documents", f"{w}: faster sparse attention"]
+            for w in ("Alpha", "Beta", "Gamma", "Delta", "Epsilon", "Zeta", "Eta", "Theta", "Iota", "Kappa")]
+    good = [r[0] for r in refs]
+    worse = [f"we study {r[0].split()[2]}" if i % 2 else r[0] for i, r in enumerate(refs)]
+    assert paired_rouge_bootstrap(good, good, refs) == {"ratio": [1.0, 1.0], "difference": [0.0, 0.0]}
+    got = paired_rouge_bootstrap(worse, good, refs, resamples=500)
+    point = score(worse, refs, bertscore=False)["rougeL"] / score(good, refs, bertscore=False)["rougeL"]
+    lo, hi = got["ratio"]
+    assert lo < point < hi <= 1.0 and lo < 0.9  # half the summaries lose most of their words
+    assert got["difference"][0] < got["difference"][1] <= 0
+    assert paired_rouge_bootstrap(worse, good, refs, resamples=500) == got
+    with pytest.raises(ValueError, match="same items"):
+        paired_rouge_bootstrap(worse, good[:4], refs)
+
+
 def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first_difference():
     from skipdecode.bench.dtype_parity import agreement
 
@@ -121,5 +139,8 @@ def test_evaluate_reports_each_speedups_share_of_its_own_1x_with_a_paired_interv
     assert "bleu_kept_own" not in full  # 1x is what the others are kept of
     assert half["bleu_kept_own"] == pytest.approx(half["bleu"] / full["bleu"], abs=1e-4)
     lo, hi = half["bleu_kept_own_95ci"]
+    assert 0 <= lo <= hi
+    assert half["rougeL_kept_own"] == pytest.approx(half["rougeL"] / full["rougeL"], abs=1e-4)
+    lo, hi = half["rougeL_kept_own_95ci"]
     assert 0 <= lo <= hi
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(rep))

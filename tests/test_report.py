@@ -40,6 +40,39 @@ def test_report_cli_uses_reference_for_every_row(tmp_path):
     assert "BLEU kept (own 1x) | ROUGE-L kept (own 1x) |" in md
 
 
+def test_kept_fractions_carry_paired_intervals_when_the_reports_hold_their_outputs(tmp_path):
+    names = ("Mill", "Eagle", "Vaults", "Punter", "Phoenix", "Cricketers")
+    refs = [[f"the {w} serves food by the river"] for w in names]
+
+    def ev(texts_by_speedup: dict[float, list[str]]) -> dict:
+        from skipdecode.evaluate import score
+
+        e = _eval({sp: 0.0 for sp in texts_by_speedup})
+        for r, texts in zip(e["results"], texts_by_speedup.values()):
+            r.update(score(texts, refs, bertscore=False))
+            r["outputs"] = [{"prompt": f"p{i}", "text": t, "references": ref}
+                            for i, (t, ref) in enumerate(zip(texts, refs))]
+        return e
+
+    good = [r[0] for r in refs]
+    half = [t if i % 2 else "food" for i, t in enumerate(good)]
+    (tmp_path / "ref.json").write_text(json.dumps(ev({1.0: good})))
+    (tmp_path / "sd.json").write_text(json.dumps(ev({1.0: good, 2.0: half})))
+    out = tmp_path / "study"
+    assert main(["--title", "T", "--eval", f"ref={tmp_path / 'ref.json'}", "--eval", f"sd={tmp_path / 'sd.json'}",
+                 "--reference", "ref", "--out", str(out)]) == 0
+    one, two = json.loads(out.with_suffix(".json").read_text())["results"]["sd"]
+    assert one["rougeL_kept_95ci"] == [1.0, 1.0]  # the same outputs as the reference's: exactly 1
+    assert "bleu_kept_own_95ci" not in one  # a row is not compared with itself
+    lo, hi = two["rougeL_kept_95ci"]
+    assert lo < two["rougeL_kept"] < hi < 1.0  # half the outputs lost: below 1 with room either side
+    assert two["rougeL_kept_own_95ci"] == two["rougeL_kept_95ci"]  # own 1x and reference answer alike
+    md = out.with_suffix(".md").read_text()
+    assert f"{100 * two['rougeL_kept']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})" in md
+    # reports without outputs for the same items (older files, other splits) get no interval
+    assert "rougeL_kept_95ci" not in kept(_eval({2.0: 40.0})["results"], _eval({1.0: 50.0})["results"])[0]
+
+
 def test_report_row_names_may_contain_an_equals_sign(tmp_path):
     (tmp_path / "lora.json").write_text(json.dumps(_eval({1.0: 50.0})))
     out = tmp_path / "study"

@@ -59,11 +59,9 @@ def reference_streams(refs: Sequence[Sequence[str]]) -> list[list[str | None]]:
 def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], bertscore: bool = True) -> dict[str, float | None]:
     """Corpus BLEU, mean ROUGE-L F1 and mean BERTScore F1, all x100."""
     import sacrebleu
-    from rouge_score import rouge_scorer
 
     bleu = sacrebleu.corpus_bleu(list(hyps), reference_streams(refs)).score
-    rs = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    rouge = statistics.fmean(rs.score_multi(list(r), h)["rougeL"].fmeasure for h, r in zip(hyps, refs)) * 100
+    rouge = statistics.fmean(rouge_l_per_item(hyps, refs)) * 100
     bs = None
     if bertscore:
         import bert_score
@@ -72,6 +70,30 @@ def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], bertscore: bool = 
                                     num_layers=6, verbose=False, batch_size=64)
         bs = float(f1.mean()) * 100
     return {"bleu": round(bleu, 3), "rougeL": round(rouge, 3), "bertscore": None if bs is None else round(bs, 3)}
+
+
+def rouge_l_per_item(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[float]:
+    """Each item's ROUGE-L F1 (rouge-score, stemmed), the best over its references."""
+    from rouge_score import rouge_scorer
+
+    rs = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return [rs.score_multi(list(r), h)["rougeL"].fmeasure for h, r in zip(hyps, refs)]
+
+
+def _check_paired(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> None:
+    if not (len(hyps) == len(base_hyps) == len(refs)) or not refs:
+        raise ValueError(f"paired bootstrap needs the same items: {len(hyps)} outputs, {len(base_hyps)} "
+                         f"baseline outputs, {len(refs)} reference sets")
+
+
+def _intervals(sa: Any, sb: Any, level: float) -> dict[str, list[float]]:
+    """Percentile intervals of the ratio and the difference of two systems' resampled scores."""
+    import numpy as np
+
+    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+    ratio = np.divide(sa, sb, out=np.full_like(sa, np.nan), where=sb > 0)
+    return {"ratio": [round(float(x), 4) for x in np.nanpercentile(ratio, q)],
+            "difference": [round(float(x), 3) for x in np.percentile(sa - sb, q)]}
 
 
 def paired_bleu_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]],
@@ -85,9 +107,7 @@ def paired_bleu_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: S
     import numpy as np
     from sacrebleu.metrics import BLEU
 
-    if not (len(hyps) == len(base_hyps) == len(refs)) or not refs:
-        raise ValueError(f"paired bootstrap needs the same items: {len(hyps)} outputs, {len(base_hyps)} "
-                         f"baseline outputs, {len(refs)} reference sets")
+    _check_paired(hyps, base_hyps, refs)
     streams = reference_streams(refs)
     bleu = BLEU()
     a = np.asarray(bleu._extract_corpus_statistics(list(hyps), streams))
@@ -95,10 +115,20 @@ def paired_bleu_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: S
     idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
     sa = np.array([bleu._compute_score_from_stats(a[i].sum(0)).score for i in idx])
     sb = np.array([bleu._compute_score_from_stats(b[i].sum(0)).score for i in idx])
-    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
-    ratio = np.divide(sa, sb, out=np.full_like(sa, np.nan), where=sb > 0)
-    return {"ratio": [round(float(x), 4) for x in np.nanpercentile(ratio, q)],
-            "difference": [round(float(x), 3) for x in np.percentile(sa - sb, q)]}
+    return _intervals(sa, sb, level)
+
+
+def paired_rouge_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]],
+                           resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, list[float]]:
+    """The same paired bootstrap for mean ROUGE-L F1 (x100, as ``score`` reports it): the
+    summarization metric, whose kept fraction carries the same few-items noise as BLEU's."""
+    import numpy as np
+
+    _check_paired(hyps, base_hyps, refs)
+    a = np.asarray(rouge_l_per_item(hyps, refs)) * 100
+    b = np.asarray(rouge_l_per_item(base_hyps, refs)) * 100
+    idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
+    return _intervals(a[idx].mean(1), b[idx].mean(1), level)
 
 
 def expected_length(llm: LLM, items: Sequence[EvalItem], chat: bool | None = None) -> int:
@@ -163,18 +193,20 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
                "outputs": [{"prompt": it.prompt, "text": h, "references": list(it.references),
                             "token_ids": list(o.token_ids)} for it, h, o in zip(items, hyps, outs)]}
         full = next((r for r in results if r["speedup_target"] == 1.0), None)
-        kept = ""
-        if full is not None and sp != 1 and full["bleu"] > 0:
-            # the share of this model's own full-depth BLEU kept, with a paired-bootstrap 95% interval
-            res["bleu_kept_own"] = round(res["bleu"] / full["bleu"], 4)
-            res["bleu_kept_own_95ci"] = paired_bleu_bootstrap(hyps, [o["text"] for o in full["outputs"]],
-                                                              refs)["ratio"]
-            lo, hi = res["bleu_kept_own_95ci"]
-            kept = f"  kept {100 * res['bleu_kept_own']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
+        kept = {"bleu": "", "rougeL": ""}
+        if full is not None and sp != 1:
+            # the share of this model's own full-depth score kept, with a paired-bootstrap 95% interval
+            base = [o["text"] for o in full["outputs"]]
+            for m, boot in (("bleu", paired_bleu_bootstrap), ("rougeL", paired_rouge_bootstrap)):
+                if full[m] > 0:
+                    res[f"{m}_kept_own"] = round(res[m] / full[m], 4)
+                    res[f"{m}_kept_own_95ci"] = boot(hyps, base, refs)["ratio"]
+                    lo, hi = res[f"{m}_kept_own_95ci"]
+                    kept[m] = f" kept {100 * res[f'{m}_kept_own']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
         results.append(res)
         print(f"{task} {sp:g}x: decode-layer speedup {res['decode_layer_speedup']:.2f}  BLEU {scores['bleu']:.2f}"
-              f"{kept}  ROUGE-L {scores['rougeL']:.2f}  BERTScore {scores['bertscore']}  ({seconds:.0f} s)",
-              flush=True)
+              f"{kept['bleu']}  ROUGE-L {scores['rougeL']:.2f}{kept['rougeL']}  BERTScore {scores['bertscore']}"
+              f"  ({seconds:.0f} s)", flush=True)
     report = {"task": task, "data": str(data), "split": split, "model": str(model), "model_path": str(llm.path),
               "settings": {"dtype": dtype, "expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
                            "warmup_layers": warmup_layers, "decay": decay, "mode": mode, "batch_size": batch_size,

@@ -23,12 +23,27 @@ from pathlib import Path
 from . import atomic
 
 METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (MiniLM-L6)"))
+BOOTSTRAPS = ("bleu", "rougeL")  # the metrics whose kept fractions get a paired-bootstrap interval
+
+
+def _interval(metric: str, r: dict, base: dict) -> list[float] | None:
+    """Paired-bootstrap 95% interval of ``r``'s score over ``base``'s (BLEU and ROUGE-L), when both
+    reports carry their outputs for the same items; None otherwise (an old report, another split)."""
+    from .evaluate import paired_bleu_bootstrap, paired_rouge_bootstrap
+
+    a, b = r.get("outputs") or [], base.get("outputs") or []
+    if (metric not in BOOTSTRAPS or not a or len(a) != len(b) or any("references" not in o for o in a)
+            or [o.get("prompt") for o in a] != [o.get("prompt") for o in b]):
+        return None
+    boot = paired_bleu_bootstrap if metric == "bleu" else paired_rouge_bootstrap
+    return boot([o["text"] for o in a], [o["text"] for o in b], [o["references"] for o in a])["ratio"]
 
 
 def kept(results: list[dict], reference: list[dict] | None = None) -> list[dict]:
     """Each result with ``<metric>_kept`` = score / the 1x score of ``reference``
     (default: of the same report); with a reference, ``<metric>_kept_own`` is
-    the fraction of the same model's own 1x score."""
+    the fraction of the same model's own 1x score. BLEU and ROUGE-L fractions
+    carry ``..._95ci`` (a paired bootstrap over the items) where the outputs allow."""
     own = next((r for r in results if r["speedup_target"] == 1.0), None)
     ref = next((r for r in reference if r["speedup_target"] == 1.0), None) if reference else own
     out = []
@@ -37,10 +52,22 @@ def kept(results: list[dict], reference: list[dict] | None = None) -> list[dict]
         for m, _ in METRICS:
             if ref is not None and r.get(m) is not None and ref.get(m):
                 row[f"{m}_kept"] = round(r[m] / ref[m], 4)
+                if r is not ref and (ci := _interval(m, r, ref)) is not None:  # not a row against itself
+                    row[f"{m}_kept_95ci"] = ci
             if reference and own is not None and r.get(m) is not None and own.get(m):
                 row[f"{m}_kept_own"] = round(r[m] / own[m], 4)
+                if r is not own and (ci := _interval(m, r, own)) is not None:
+                    row[f"{m}_kept_own_95ci"] = ci
         out.append(row)
     return out
+
+
+def _pct(row: dict, key: str) -> str:
+    """A kept fraction as a percentage, with its interval when the row has one."""
+    if row.get(key) is None:
+        return ""
+    ci = row.get(key + "_95ci")
+    return f"{100 * row[key]:.1f}%" + ("" if ci is None else f" ({100 * ci[0]:.1f}-{100 * ci[1]:.1f})")
 
 
 def train_summary(train_dir: Path) -> dict:
@@ -64,7 +91,8 @@ def _describe(train: dict) -> str:
 
 
 def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands: list[str],
-           reference: str | None = None) -> str:
+           reference: str | None = None, rows: dict[str, list[dict]] | None = None) -> str:
+    """The Markdown report; ``rows`` are ``kept()`` of each eval when already computed."""
     lines = [f"# {title}: quality against decode-layer speedup", ""]
     first = next(iter(evals.values()))
     s = first["settings"]
@@ -74,7 +102,8 @@ def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands
               f"every reference of an item scored), greedy, max {s['max_new_tokens']} new tokens. "
               f"BLEU: sacrebleu corpus BLEU, multi-reference. ROUGE-L: rouge-score F1, stemmed, max over references. "
               f"BERTScore: {s['bertscore_model']}, max over references (not comparable to roberta-large figures). "
-              f"{kept_def}", ""]
+              f"{kept_def} Kept BLEU and ROUGE-L carry 95% intervals from a paired bootstrap over the items "
+              f"(1000 resamples, both systems on the same resample) where the reports hold their outputs.", ""]
     if len(trains) == 1 and not reference:
         lines += ["Training: " + _describe(next(iter(trains.values()))), ""]
     elif trains:
@@ -84,11 +113,12 @@ def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands
     lines += ["| model | target | decode-layer speedup | BLEU | kept | ROUGE-L | kept | BERTScore | kept |"
               f"{own} new tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(own_metrics)]
     ref = evals[reference]["results"] if reference else None
-    for name, ev in evals.items():
-        for r in kept(ev["results"], ref):
+    rows = rows or {n: kept(ev["results"], ref) for n, ev in evals.items()}
+    for name in evals:
+        for r in rows[name]:
             f = lambda m: "" if r.get(m) is None else f"{r[m]:.2f}"  # noqa: E731
-            k = lambda m: "" if r.get(m + "_kept") is None else f"{100 * r[m + '_kept']:.1f}%"  # noqa: E731
-            o = "".join(f" {100 * r[m + '_kept_own']:.1f}% |" if m + "_kept_own" in r else " |" for m in own_metrics)
+            k = lambda m: _pct(r, m + "_kept")  # noqa: E731
+            o = "".join(f" {_pct(r, m + '_kept_own')} |" if m + "_kept_own" in r else " |" for m in own_metrics)
             lines.append(f"| {name} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} | {f('bleu')} | "
                          f"{k('bleu')} | {f('rougeL')} | {k('rougeL')} | {f('bertscore')} | {k('bertscore')} |"
                          f"{o} {r['new_tokens']} | {r['seconds']:.0f} |")
@@ -131,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = evals[a.reference]["results"] if a.reference else None
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"title": a.title, "commands": a.command, "training": trains, "reference": a.reference,
-            "results": {n: kept(ev["results"], ref) for n, ev in evals.items()},
+    rows = {n: kept(ev["results"], ref) for n, ev in evals.items()}
+    data = {"title": a.title, "commands": a.command, "training": trains, "reference": a.reference, "results": rows,
             "settings": {n: {k: ev[k] for k in ("data", "split", "model", "settings")} for n, ev in evals.items()}}
     atomic.write_text(out.with_suffix(".json"), json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    atomic.write_text(out.with_suffix(".md"), render(a.title, evals, trains, a.command, a.reference))
+    atomic.write_text(out.with_suffix(".md"), render(a.title, evals, trains, a.command, a.reference, rows))
     print(f"wrote {out}.json and {out}.md")
     return 0
 
