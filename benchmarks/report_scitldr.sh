@@ -33,6 +33,8 @@ add "LoRA r32, 1x drawn twice, one checkpoint for 1x/2x/3x, --decay 1.25" $R/eva
   runs/scitldr-lora32-weighted $R/train-summary-scitldr-lora32-weighted.json
 add "full FT, front-loaded (--horizon 3 --decay 5), 1x drawn twice, one checkpoint for 1x/2x/3x" \
   $R/eval-scitldr-full-front.json runs/scitldr-full-front $R/train-summary-scitldr-full-front.json
+add "full FT, flat budget (--decay 1), one checkpoint for 1x/2x/3x" \
+  $R/eval-scitldr-full-flat.json runs/scitldr-full-flat $R/train-summary-scitldr-full-flat.json
 add "default (not fine-tuned)" $R/eval-scitldr-default.json "" ""
 [ -f $R/eval-scitldr-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only, --decay 1.25")
 $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
@@ -41,6 +43,7 @@ $BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${AR
   --command "bash benchmarks/train_scitldr_per_speedup_full.sh   # the 1x-only reference and the 2x-only rows" \
   --command "bash benchmarks/train_scitldr.sh   # the LoRA and the not-fine-tuned rows" \
   --command "bash benchmarks/train_scitldr_lora_best.sh   # the shipped E2E recipe" \
-  --command "bash benchmarks/train_scitldr_front.sh   # the shipped E2E schedules, full fine-tuning" \
+  --command "bash benchmarks/train_scitldr_run.sh full-front 1,1,2,3 -- --horizon 3 --decay 5" \
+  --command "bash benchmarks/train_scitldr_run.sh full-flat 1,2,3 -- --decay 1" \
   --command "bash benchmarks/report_scitldr.sh" \
   --out $R/train-scitldr
