@@ -13,7 +13,7 @@ add() {  # NAME EVAL_FILE TRAIN_DIR SUMMARY_FILE
   [ -f "$2" ] || return 0
   ARGS+=(--eval "$1=$2")
   if [ -n "$3" ] && [ -f "$3/skipdecode.json" ] && [ -f "$3/train_log.jsonl" ]; then
-    $BIN/python -c "import json, sys; from pathlib import Path; from skipdecode.report import train_summary
+    $BIN/python -c "import json, sys; from pathlib import Path; from skipdecode.evaluation.report import train_summary
 Path(sys.argv[2]).write_text(json.dumps(train_summary(Path(sys.argv[1])), indent=2) + '\n')" "$3" "$4"
   fi
   [ -n "$4" ] && [ -f "$4" ] && ARGS+=(--train "$1=$4")
@@ -31,7 +31,7 @@ add "LoRA, one checkpoint for 1x/2x/3x, gentle schedules (--decay 1.25)" $R/eval
 add "LoRA, 2x only" $R/eval-e2e-only2x.json runs/e2e-only2x $R/train-summary-e2e-lora-only2x.json
 add "default (not fine-tuned)" $R/eval-e2e-default.json "" ""
 [ -f $R/eval-e2e-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only")
-$BIN/python -m skipdecode.report --title "E2E (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
+$BIN/python -m skipdecode.evaluation.report --title "E2E (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
   --command "bash benchmarks/train_e2e_full.sh" \
   --command "bash benchmarks/train_e2e_gentle.sh" \
   --command "bash benchmarks/train_e2e_per_speedup_full.sh" \

@@ -13,7 +13,7 @@ add() {  # NAME EVAL_FILE TRAIN_DIR SUMMARY_FILE
   [ -f "$2" ] || return 0
   ARGS+=(--eval "$1=$2")
   if [ -f "$3/skipdecode.json" ] && [ -f "$3/train_log.jsonl" ]; then
-    $BIN/python -c "import json, sys; from pathlib import Path; from skipdecode.report import train_summary
+    $BIN/python -c "import json, sys; from pathlib import Path; from skipdecode.evaluation.report import train_summary
 Path(sys.argv[2]).write_text(json.dumps(train_summary(Path(sys.argv[1])), indent=2) + '\n')" "$3" "$4"
   fi
   [ -f "$4" ] && ARGS+=(--train "$1=$4")
@@ -37,7 +37,7 @@ add "full FT, flat budget (--decay 1), one checkpoint for 1x/2x/3x" \
   $R/eval-scitldr-full-flat.json runs/scitldr-full-flat $R/train-summary-scitldr-full-flat.json
 add "default (not fine-tuned)" $R/eval-scitldr-default.json "" ""
 [ -f $R/eval-scitldr-full-only1x.json ] && ARGS+=(--reference "full FT, 1x only, --decay 1.25")
-$BIN/python -m skipdecode.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
+$BIN/python -m skipdecode.evaluation.report --title "SciTLDR (SmolLM2-135M-Instruct)" "${ARGS[@]}" \
   --command "bash benchmarks/train_scitldr_full.sh" \
   --command "SPEEDUPS=1,2 bash benchmarks/train_scitldr_full.sh" \
   --command "bash benchmarks/train_scitldr_per_speedup_full.sh   # the 1x-only reference and the 2x-only rows" \

@@ -23,7 +23,7 @@ from _train_helpers import make_tiny, one_thread, write_e2e_csv
 from skipdecode import atomic
 from skipdecode.cli import main
 from skipdecode.errors import SkipDecodeError
-from skipdecode.evaluate import evaluate
+from skipdecode.evaluation import evaluate
 from skipdecode.schedule import SkipSchedule
 from skipdecode.training import TrainConfig, train
 

@@ -71,7 +71,7 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
 def test_paired_bootstrap_brackets_the_kept_ratio_and_is_exact_for_identical_systems():
     from sacrebleu import corpus_bleu
 
-    from skipdecode.evaluate import paired_bleu_bootstrap
+    from skipdecode.evaluation import paired_bleu_bootstrap
 
     refs = [[f"the {w} is a pub near the river", f"a pub called the {w} by the river"]
             for w in ("Punter", "Eagle", "Mill", "Phoenix", "Wrestlers", "Vaults", "Rice Boat", "Olive Grove")]
@@ -91,7 +91,7 @@ def test_paired_bootstrap_brackets_the_kept_ratio_and_is_exact_for_identical_sys
 
 
 def test_rouge_bootstrap_brackets_the_kept_mean_rouge_l_and_is_exact_for_identical_systems():
-    from skipdecode.evaluate import paired_rouge_bootstrap, score
+    from skipdecode.evaluation import paired_rouge_bootstrap, score
 
     refs = [[f"we propose {w} for sparse attention in long documents", f"{w}: faster sparse attention"]
             for w in ("Alpha", "Beta", "Gamma", "Delta", "Epsilon", "Zeta", "Eta", "Theta", "Iota", "Kappa")]
@@ -130,7 +130,7 @@ def test_names_copied_counts_outputs_that_spell_the_mrs_restaurant_name_exactly(
 def test_evaluate_reports_each_speedups_share_of_its_own_1x_with_a_paired_interval(tmp_path, default_llm):
     from pathlib import Path
 
-    from skipdecode.evaluate import evaluate
+    from skipdecode.evaluation import evaluate
 
     data = Path(__file__).resolve().parents[2] / "shared" / "data" / "e2e" / "devset.csv"
     rep = evaluate("e2e", data, speedups=(1, 2), limit=6, max_new_tokens=16, bertscore=False, llm=default_llm,

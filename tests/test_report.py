@@ -2,7 +2,7 @@
 
 import json
 
-from skipdecode.report import kept, main
+from skipdecode.evaluation.report import kept, main
 
 
 def _eval(scores: dict[float, float]) -> dict:
@@ -45,7 +45,7 @@ def test_kept_fractions_carry_paired_intervals_when_the_reports_hold_their_outpu
     refs = [[f"the {w} serves food by the river"] for w in names]
 
     def ev(texts_by_speedup: dict[float, list[str]]) -> dict:
-        from skipdecode.evaluate import score
+        from skipdecode.evaluation import score
 
         e = _eval({sp: 0.0 for sp in texts_by_speedup})
         for r, texts in zip(e["results"], texts_by_speedup.values()):

@@ -444,10 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out groups kept out of the calibration text, as in train (default 60)")
     r.add_argument("--output-dir", "-o", required=True)
     r.set_defaults(func=cmd_prune)
-    from .evaluate import add_evaluate_cli
+    from .evaluation.compare import add_compare_cli
+    from .evaluation.evaluate import add_evaluate_cli
 
     add_train_cli(sub)
     add_evaluate_cli(sub)
+    add_compare_cli(sub)
     return p
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import atomic
-from ..evaluate import evaluate
+from ..evaluation import evaluate
 from .decode import machine_info
 
 DATA = Path("../shared/data/e2e/devset.csv")

