@@ -47,6 +47,11 @@ done
 # the 900-step recipe with the draws moved from 2x and 4x to 3x and 5x (1x:2x:3x:4x:5x = 3:1:2:1:2)
 [ -f $R/eval-names-front-35x.json ] || $Q names-front-35x "" -- --speedups 1,1,1,2,3,3,4,5,5 --steps 900 \
   --horizon 3 --decay 5
+# the front-loaded 600-step recipe with two warm-up layers instead of one (layers 0-1 always run)
+[ -f $R/eval-names-front-600-w2.json ] || $Q names-front-600-w2 "" -- --speedups 1,1,2,3,4,5 --steps 600 \
+  --horizon 3 --decay 5 --warmup-layers 2
+$BIN/skipdecode compare $R/eval-names-front-600-w2.json $R/eval-names-front-600.json \
+  --out $R/compare-names-front-600-w2-vs-front-600.json
 # a candidate against the shipped checkpoint, paired on the same MRs (the gap and its 95% interval)
 $BIN/skipdecode compare $R/eval-names-front-35x.json $R/eval-names-default-e2e.json \
   --out $R/compare-names-front-35x-vs-default-e2e.json
