@@ -17,9 +17,9 @@ from typing import Any
 
 from .. import atomic
 from ..data import DataError
-from .metrics import paired_bleu_bootstrap, paired_rouge_bootstrap
+from .metrics import PAIRED_BOOTSTRAPS
 
-METRICS = {"bleu": ("BLEU", paired_bleu_bootstrap), "rougeL": ("ROUGE-L", paired_rouge_bootstrap)}
+LABELS = {"bleu": "BLEU", "rougeL": "ROUGE-L"}
 
 
 def _read(path: str | os.PathLike) -> dict[str, Any]:
@@ -49,7 +49,7 @@ def compare(new: dict[str, Any], old: dict[str, Any], resamples: int = 1000, see
                             f"and --limit")
         refs = [x["references"] for x in r["outputs"]]
         row: dict[str, Any] = {"speedup_target": r["speedup_target"]}
-        for m, (_, boot) in METRICS.items():
+        for m, boot in PAIRED_BOOTSTRAPS.items():
             ci = boot([x["text"] for x in r["outputs"]], [x["text"] for x in o["outputs"]], refs,
                       resamples=resamples, seed=seed)
             row[m] = {"new": r[m], "old": o[m], "difference": round(r[m] - o[m], 3),
@@ -73,10 +73,10 @@ def add_compare_cli(subparsers: Any) -> argparse.ArgumentParser:
         res = compare(_read(a.new), _read(a.old))
         for row in res["results"]:
             cells = []
-            for m, (label, _) in METRICS.items():
+            for m in PAIRED_BOOTSTRAPS:
                 d = row[m]
                 lo, hi = d["difference_95ci"]
-                cells.append(f"{label} {d['new']:.2f} vs {d['old']:.2f}: {d['difference']:+.2f} "
+                cells.append(f"{LABELS[m]} {d['new']:.2f} vs {d['old']:.2f}: {d['difference']:+.2f} "
                              f"({lo:+.2f} to {hi:+.2f})")
             print(f"{row['speedup_target']:g}x  " + "  ".join(cells))
         print(f"({res['n_examples']} items; 95% intervals from a paired bootstrap, {res['resamples']} resamples)")

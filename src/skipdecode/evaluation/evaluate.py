@@ -20,7 +20,7 @@ from .. import atomic
 from ..data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
 from ..llm import LLM
 from ..validation import SEED_MAX, check_float, check_int
-from .metrics import paired_bleu_bootstrap, paired_rouge_bootstrap, score
+from .metrics import PAIRED_BOOTSTRAPS, score
 
 TASKS = ("e2e", "scitldr")
 
@@ -106,7 +106,7 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedup
         if full is not None and sp != 1:
             # the share of this model's own full-depth score kept, with a paired-bootstrap 95% interval
             base = [o["text"] for o in full["outputs"]]
-            for m, boot in (("bleu", paired_bleu_bootstrap), ("rougeL", paired_rouge_bootstrap)):
+            for m, boot in PAIRED_BOOTSTRAPS.items():
                 if full[m] > 0:
                     res[f"{m}_kept_own"] = round(res[m] / full[m], 4)
                     res[f"{m}_kept_own_95ci"] = boot(hyps, base, refs)["ratio"]

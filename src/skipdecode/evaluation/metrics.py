@@ -102,3 +102,7 @@ def paired_rouge_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: 
     b = np.asarray(rouge_l_per_item(base_hyps, refs)) * 100
     idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
     return _intervals(a[idx].mean(1), b[idx].mean(1), level)
+
+
+# every metric with a paired bootstrap, by its key in a score dict: evaluate, compare and report all pick from here
+PAIRED_BOOTSTRAPS = {"bleu": paired_bleu_bootstrap, "rougeL": paired_rouge_bootstrap}

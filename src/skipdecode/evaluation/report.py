@@ -21,21 +21,19 @@ import json
 from pathlib import Path
 
 from .. import atomic
+from .metrics import PAIRED_BOOTSTRAPS
 
 METRICS = (("bleu", "BLEU"), ("rougeL", "ROUGE-L"), ("bertscore", "BERTScore (MiniLM-L6)"))
-BOOTSTRAPS = ("bleu", "rougeL")  # the metrics whose kept fractions get a paired-bootstrap interval
 
 
 def _interval(metric: str, r: dict, base: dict) -> list[float] | None:
     """Paired-bootstrap 95% interval of ``r``'s score over ``base``'s (BLEU and ROUGE-L), when both
     reports carry their outputs for the same items; None otherwise (an old report, another split)."""
-    from .metrics import paired_bleu_bootstrap, paired_rouge_bootstrap
-
     a, b = r.get("outputs") or [], base.get("outputs") or []
-    if (metric not in BOOTSTRAPS or not a or len(a) != len(b) or any("references" not in o for o in a)
+    if (metric not in PAIRED_BOOTSTRAPS or not a or len(a) != len(b) or any("references" not in o for o in a)
             or [o.get("prompt") for o in a] != [o.get("prompt") for o in b]):
         return None
-    boot = paired_bleu_bootstrap if metric == "bleu" else paired_rouge_bootstrap
+    boot = PAIRED_BOOTSTRAPS[metric]
     return boot([o["text"] for o in a], [o["text"] for o in b], [o["references"] for o in a])["ratio"]
 
 
