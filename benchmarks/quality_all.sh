@@ -55,4 +55,9 @@ $BIN/skipdecode compare $R/eval-names-front-600-w2.json $R/eval-names-front-600.
 # a candidate against the shipped checkpoint, paired on the same MRs (the gap and its 95% interval)
 $BIN/skipdecode compare $R/eval-names-front-35x.json $R/eval-names-default-e2e.json \
   --out $R/compare-names-front-35x-vs-default-e2e.json
+# the paper's protocol at 5x: one model for one speedup (the front-loaded 600-step recipe, 5x draws only),
+# paired against the shipped checkpoint that serves 1x-5x
+[ -f $R/eval-names-front-only5.json ] || $Q names-front-only5 "--speedups 5" -- --speedups 5 --steps 600 --horizon 3 --decay 5
+$BIN/skipdecode compare $R/eval-names-front-only5.json $R/eval-names-default-e2e.json \
+  --out $R/compare-names-front-only5-vs-default-e2e.json
 # then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)
