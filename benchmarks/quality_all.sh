@@ -60,4 +60,10 @@ $BIN/skipdecode compare $R/eval-names-front-35x.json $R/eval-names-default-e2e.j
 [ -f $R/eval-names-front-only5.json ] || $Q names-front-only5 "--speedups 5" -- --speedups 5 --steps 600 --horizon 3 --decay 5
 $BIN/skipdecode compare $R/eval-names-front-only5.json $R/eval-names-default-e2e.json \
   --out $R/compare-names-front-only5-vs-default-e2e.json
+# the same 5x-only model with four times the adapter (LoRA r=128, alpha 256: the same alpha/r), paired
+# against r=32: does more capacity in the 5-layer path help?
+[ -f $R/eval-names-front-only5-r128.json ] || $Q names-front-only5-r128 "--speedups 5" -- --speedups 5 --steps 600 \
+  --horizon 3 --decay 5 --lora-r 128 --lora-alpha 256
+$BIN/skipdecode compare $R/eval-names-front-only5-r128.json $R/eval-names-front-only5.json \
+  --out $R/compare-names-front-only5-r128-vs-r32.json
 # then, on a quiet machine: skipdecode bench --quality (every row's speed in one run; the table and plot)
