@@ -3,7 +3,24 @@ monotone schedule.
 
 ``Engine.step()`` admits waiting requests, runs prompt chunks and one decode
 position for every generating request (each on its own layers), samples, and
-returns what each request produced. ``LLM.generate`` is a client (admit all,
+returns what each request produced.
+
+Lossless requests (self-speculative decoding, batched): the request's skip
+schedule *drafts* up to ``draft_tokens`` tokens, one decode row per step like
+any other request, then one full-depth pass over its last verified token and
+the drafts, packed beside the prompt chunks, verifies them. Greedy keeps the
+longest prefix of drafts that full depth agrees with, plus full depth's own
+token at the first disagreement; sampled requests use the speculative-sampling
+rule (Leviathan et al. 2023; Chen et al. 2023), so the output is distributed
+exactly as full depth's. Outputs carry verified tokens only.
+
+The invariant that replaces monotone budgets for such a request: **every
+verified position holds keys/values at every layer** (the verifying pass
+writes them all). So a round's drafts may start again from any budget; within
+a round the budgets never increase, so a draft reads only keys/values that a
+verified position or an earlier draft of the round wrote. A lossless request
+reserves full depth in the pool; the slots of rejected drafts lie past its
+length and are rewritten before anything reads them. ``LLM.generate`` is a client (admit all,
 step to the end); ``AsyncEngine`` runs the same loop in a thread for a server
 and streams each request's outputs to an ``async for``.
 """
@@ -23,9 +40,10 @@ from ..model import Transformer
 from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
 from .prefix_cache import PrefixCache
-from .request import EngineDeadError, EngineError, Request, RequestOutput, RequestState, SamplingParams, Status
+from .request import (MAX_DRAFT_TOKENS, DraftStats, EngineDeadError, EngineError, Request, RequestOutput,
+                      RequestState, SamplingParams, Status)
 from .runner import ModelRunner
-from .sampler import sample_rows
+from .sampler import filter_logits, sample_rows
 from .scheduler import Scheduler, SchedulerConfig
 
 
@@ -59,7 +77,8 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self.counters = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "generated_tokens": 0,
-                         "decode_steps": 0, "decode_rows": 0,
+                         "decode_steps": 0, "decode_rows": 0, "drafted_tokens": 0, "accepted_tokens": 0,
+                         "verify_rounds": 0,
                          "prefill_seconds": 0.0, "decode_seconds": 0.0}
         self._ids = itertools.count()
 
@@ -71,7 +90,8 @@ class Engine:
     def make_request(self, prompt_token_ids: Sequence[int], schedule: SkipSchedule | None = None,
                      max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                      stop: str | Sequence[str] | None = (),
-                     ignore_eos: bool = False, request_id: str | None = None) -> Request:
+                     ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
+                     draft_tokens: int | None = None) -> Request:
         """A validated request (raises ``EngineError`` saying what is wrong)."""
         L = self.num_layers
         schedule = schedule or SkipSchedule.full_depth(L)
@@ -104,14 +124,26 @@ class Engine:
             raise EngineError("stop must be a string or a list of strings")
         if stop and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer; this engine has none")
+        if not isinstance(lossless, bool):
+            raise EngineError(f"lossless must be true or false, got {lossless!r}")
+        if draft_tokens is None:
+            draft_tokens = Request.draft_tokens
+        elif not lossless:
+            raise EngineError("draft_tokens applies to lossless requests only: add lossless=True or drop it")
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) \
+                or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise EngineError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, tuple(ids), schedule, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos)
+        return Request(rid, tuple(ids), schedule, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos,
+                       lossless, draft_tokens)
 
     def add(self, request: Request) -> RequestState:
         if request.request_id in self.requests:
             raise EngineError(f"request id {request.request_id!r} is already running")
         st = RequestState(request, arrived_step=self.step_count)
         st.layer_mode = (request.schedule.warmup_layers, request.schedule.mode)
+        if request.lossless:
+            st.spec = DraftStats()
         self.scheduler.add(st)  # raises if it can never fit
         s = request.sampling
         if not s.greedy:
@@ -147,19 +179,25 @@ class Engine:
 
     # -- a step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit, run prompt chunks and one decode position per generating
-        request, sample, finish; returns one output per request that changed."""
+        """Admit, run prompt chunks, lossless verifications and one decode
+        position per generating request, sample, finish; returns one output
+        per request that produced verified tokens or finished."""
         plan = self.scheduler.schedule(self.step_count)
         self.step_count += 1
         if plan.empty:
             return []
         ready: list[tuple[RequestState, torch.Tensor]] = []  # (request, logits of its next token)
+        drafted: list[tuple[RequestState, torch.Tensor]] = []  # (lossless request, logits of its next draft)
         t0 = time.perf_counter()
         if plan.decode:
             logits = self.runner.decode(plan)
             for st, b, row in zip(plan.decode, plan.budgets, logits):
-                st.budgets.append(b)
-                ready.append((st, row))
+                if st.request.lossless:
+                    st.draft_budgets.append(b)
+                    drafted.append((st, row))
+                else:
+                    st.budgets.append(b)
+                    ready.append((st, row))
             self.counters["decode_steps"] += 1
             self.counters["decode_rows"] += len(plan.decode)
         t1 = time.perf_counter()
@@ -167,7 +205,7 @@ class Engine:
             self.counters["prompt_tokens_cached"] += st.cached_prefix
             self.prefix_cache.load(st.request.prompt_token_ids, st.cached_prefix, self.pool.k, self.pool.v,
                                    st.reservation.starts)
-        lasts = self.runner.prefill(plan.prefill) if plan.prefill else []
+        lasts, rounds = self.runner.prefill(plan.prefill, plan.verify) if plan.prefill or plan.verify else ([], [])
         for (st, start, end), last in zip(plan.prefill, lasts):
             st.prefilled = end
             self.counters["prompt_tokens_computed"] += end - start
@@ -180,19 +218,103 @@ class Engine:
         t2 = time.perf_counter()
         self.counters["decode_seconds"] += t1 - t0
         self.counters["prefill_seconds"] += t2 - t1
+        now = time.perf_counter()
+        outs = [self._verify(st, full, now) for st, full in zip(plan.verify, rounds)]
+        self._draft(drafted)
         if not ready:
-            return []
+            return outs
         logits = torch.stack([r for _, r in ready])
         states = [st for st, _ in ready]
         picks = sample_rows(logits, [st.request.sampling for st in states], [st.generator for st in states],
                             self.model.argmax)
-        now = time.perf_counter()
-        outs = []
         for st, tok in zip(states, picks):
-            outs.append(self._append(st, tok, now))
+            out = self._append(st, tok, now)
+            if st.request.lossless and not out.finished:
+                self._begin_round(st)
+            outs.append(out)
         return outs
 
-    def _append(self, st: RequestState, tok: int, now: float) -> RequestOutput:
+    # -- lossless rounds ------------------------------------------------------------------
+    def _begin_round(self, st: RequestState) -> None:
+        """Start drafting after the last verified token: as many drafts as the
+        request still has room for (none left: verify its last token alone,
+        which is one full-depth step)."""
+        room = st.request.max_new_tokens - len(st.token_ids) - 1  # a round yields up to drafts + 1 tokens
+        st.drafts, st.draft_probs, st.draft_budgets = [], [], []
+        st.round_size = max(0, min(st.request.draft_tokens, room))
+        st.verifying = st.round_size == 0
+
+    def _draft(self, drafted: list[tuple[RequestState, torch.Tensor]]) -> None:
+        """Take each lossless row's next draft from its skipped pass's logits."""
+        if not drafted:
+            return
+        greedy = [(st, row) for st, row in drafted if st.request.sampling.greedy]
+        picks = self.model.argmax(torch.stack([r for _, r in greedy])).tolist() if greedy else []
+        for (st, _), tok in zip(greedy, picks):
+            self._add_draft(st, tok, None)
+        for st, row in drafted:
+            s = st.request.sampling
+            if not s.greedy:
+                q = filter_logits(row[None], s.temperature, s.top_k, s.top_p).softmax(-1)[0]
+                self._add_draft(st, int(torch.multinomial(q, 1, generator=st.generator)), q)
+
+    def _add_draft(self, st: RequestState, tok: int, q: torch.Tensor | None) -> None:
+        st.drafts.append(tok)
+        if q is not None:
+            st.draft_probs.append(q)
+        eos = tok in self.eos and not st.request.ignore_eos  # nothing to draft past an end
+        st.verifying = eos or len(st.drafts) >= st.round_size
+
+    def _verify(self, st: RequestState, full: torch.Tensor, now: float) -> RequestOutput:
+        """Accept drafts against full depth's logits ``(drafts + 1, vocab)``, append
+        the verified tokens, and start the next round (or finish)."""
+        r, L = st.request, self.num_layers
+        drafts, k = st.drafts, len(st.drafts)
+        s = r.sampling
+        if s.greedy:
+            target = self.model.argmax(full).tolist()
+            m = next((j for j, d in enumerate(drafts) if target[j] != d), k)
+            new = drafts[:m] + [target[m]]
+        else:  # speculative sampling: exact full-depth distribution
+            p = filter_logits(full, s.temperature, s.top_k, s.top_p).softmax(-1)
+            new = []
+            for j, d in enumerate(drafts):
+                q = st.draft_probs[j]
+                u = float(torch.rand((), generator=st.generator))
+                if u * float(q[d]) < float(p[j, d]):  # accept with probability min(1, p/q)
+                    new.append(d)
+                    continue
+                residual = (p[j] - q).clamp(min=0)
+                if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
+                    residual = p[j]
+                new.append(int(torch.multinomial(residual, 1, generator=st.generator)))
+                break
+            else:
+                new.append(int(torch.multinomial(p[k], 1, generator=st.generator)))
+            m = len(new) - 1
+        spec = st.spec
+        spec.rounds += 1
+        spec.drafted += k
+        spec.accepted += m
+        spec.draft_layers += sum(st.draft_budgets)
+        spec.verify_layers += L * (k + 1)
+        first = len(st.token_ids)  # generated position of the first draft
+        spec.acceptance += [(first + j, b, j < m) for j, b in enumerate(st.draft_budgets[:k])]
+        self.counters["drafted_tokens"] += k
+        self.counters["accepted_tokens"] += m
+        self.counters["verify_rounds"] += 1
+        st.drafts, st.draft_probs, st.draft_budgets, st.verifying = [], [], [], False
+        out = None
+        for tok in new:
+            st.budgets.append(L)  # the position fed before this token is verified at every layer
+            out = self._append(st, tok, now, merge=out)
+            if out.finished:
+                return out
+        self._begin_round(st)
+        return out
+
+    def _append(self, st: RequestState, tok: int, now: float, merge: RequestOutput | None = None) -> RequestOutput:
+        """Append one token; ``merge``: an output of this step to extend (a lossless round's tokens)."""
         st.token_ids.append(tok)
         self.counters["generated_tokens"] += 1
         if st.first_token_time is None:
@@ -208,9 +330,11 @@ class Engine:
             reason = "stop"
         elif len(st.token_ids) >= r.max_new_tokens:
             reason = "length"
+        new = (merge.new_token_ids if merge is not None else []) + [tok]
+        delta = (merge.text_delta if merge is not None else "") + delta
         if reason is not None:
-            return self._finish(st, reason, [tok], delta)
-        return RequestOutput(st.request_id, [tok], delta, list(st.token_ids), False,
+            return self._finish(st, reason, new, delta)
+        return RequestOutput(st.request_id, new, delta, list(st.token_ids), False,
                              arrived_step=st.arrived_step, arrival_time=st.arrival_time,
                              first_token_time=st.first_token_time)
 
@@ -226,7 +350,7 @@ class Engine:
             st.request_id, new or [], delta, list(st.token_ids), True, reason, st.text,
             list(st.request.prompt_token_ids), st.active_layers(self.num_layers),
             st.decode_layer_speedup(self.num_layers), st.arrived_step, st.finished_step, st.arrival_time,
-            st.first_token_time, st.finish_time)
+            st.first_token_time, st.finish_time, draft=st.spec)
 
     def run(self) -> list[RequestOutput]:
         """Step until every request has finished; the final output of each."""

@@ -20,6 +20,8 @@ class EngineDeadError(RuntimeError):
 
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
+DEFAULT_DRAFT_TOKENS = 4  # drafts per lossless round (benchmarks/results/lossless.md measures 1..8)
+MAX_DRAFT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # lossless: the schedule only drafts; a full-depth pass verifies every token (see engine.py)
+    lossless: bool = False
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
 
 class Status(Enum):
@@ -95,6 +100,13 @@ class RequestState:
     finished_step: int | None = None
     detok: object | None = None  # tokenization.Detokenizer when the engine has a tokenizer
     generator: object | None = None  # torch.Generator of a sampled request
+    # lossless requests: the round in flight and what drafting achieved
+    drafts: list[int] = field(default_factory=list)  # drafted, not yet verified
+    draft_probs: list = field(default_factory=list)  # a sampled request's draft distribution per draft
+    draft_budgets: list[int] = field(default_factory=list)  # budget each draft's input ran at, this round
+    round_size: int = 0  # drafts this round aims for (fewer if a draft is EOS)
+    verifying: bool = False  # the round's drafts are done: the next step verifies them
+    spec: "DraftStats | None" = None
 
     @property
     def request_id(self) -> str:
@@ -104,9 +116,14 @@ class RequestState:
     def prompt_len(self) -> int:
         return len(self.request.prompt_token_ids)
 
+    @property
+    def fed_index(self) -> int:
+        """Generated position of the token it feeds next (a lossless round's drafts count)."""
+        return len(self.token_ids) - 1 + len(self.drafts)
+
     def next_own_budget(self) -> int:
         """The budget its own schedule gives the token it feeds next."""
-        return self.request.schedule.budget(len(self.token_ids) - 1)
+        return self.request.schedule.budget(self.fed_index)
 
     def active_layers(self, num_layers: int) -> list[list[int]]:
         """The layers each generated token ran when fed back ([] for the last, never fed)."""
@@ -116,6 +133,28 @@ class RequestState:
 
     def decode_layer_speedup(self, num_layers: int) -> float:
         return num_layers * len(self.budgets) / sum(self.budgets) if self.budgets else 1.0
+
+
+@dataclass
+class DraftStats:
+    """What a lossless request's drafting achieved. ``acceptance`` holds, per
+    drafted token, (its generated position, the budget of the pass that drafted
+    it, whether full depth agreed): where skipping loses, measured."""
+
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    draft_layers: int = 0  # layers run by the drafting passes
+    verify_layers: int = 0  # layers run by the verifying passes (every position at full depth)
+    acceptance: list[tuple[int, int, bool]] = field(default_factory=list)
+
+    def to_dict(self, num_layers: int, fed: int) -> dict:
+        """Totals and the layer work against full depth (``fed`` positions at ``num_layers`` each)."""
+        work = self.draft_layers + self.verify_layers
+        return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted, "rounds": self.rounds,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "draft_layers": self.draft_layers, "verify_layers": self.verify_layers,
+                "layer_work_vs_full_depth": round(work / (num_layers * fed), 4) if fed else None}
 
 
 @dataclass
@@ -138,3 +177,4 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None  # set when the engine failed this request
+    draft: DraftStats | None = None  # lossless requests: drafting and verification totals

@@ -11,7 +11,9 @@ step it
    time per output token of running requests stays bounded while long prompts
    arrive; chunk boundaries are fixed multiples of ``prefill_chunk`` from the
    prompt's start, so a prompt's numerics never depend on its batch-mates;
-3. gives every decoding row a budget and orders rows by it, deepest first.
+3. gives every decoding row a budget and orders rows by it, deepest first;
+4. lists the lossless requests whose drafts are ready: the runner verifies
+   them at full depth in the packed pass of the prompt chunks.
 
 Budgets, two policies:
 
@@ -33,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
 from .request import EngineError, Request, RequestState, Status
 
@@ -63,6 +66,7 @@ class StepPlan:
     admitted: list[RequestState] = field(default_factory=list)
     cached: list[RequestState] = field(default_factory=list)  # prompt prefixes to copy from the prefix cache
     prefill: list[tuple[RequestState, int, int]] = field(default_factory=list)  # (request, start, end)
+    verify: list[RequestState] = field(default_factory=list)  # lossless rounds to verify at full depth
     decode: list[RequestState] = field(default_factory=list)  # deepest budget first
     budgets: list[int] = field(default_factory=list)  # per decode row
     # per layer: (n, None) = rows 0..n-1 run it; (n, indices) = exactly those rows; n == 0: no row
@@ -70,7 +74,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.verify
 
 
 class Scheduler:
@@ -85,11 +89,16 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------
     def needs(self, r: Request) -> list[int]:
-        return layer_needs(r.schedule, len(r.prompt_token_ids), r.max_new_tokens)
+        # a lossless request ends with every position verified at full depth
+        sched = SkipSchedule.full_depth(self.num_layers) if r.lossless else r.schedule
+        return layer_needs(sched, len(r.prompt_token_ids), r.max_new_tokens)
 
     def check_fits(self, st: RequestState) -> None:
         """A request that could never be admitted is an error now, not a hang later."""
         self.check_capacity(st.request)
+        if self.config.policy == "shared" and st.request.lossless:
+            raise EngineError("lossless requests need the per_row policy: the shared policy runs one layer set "
+                              "per step, and a verified request must run every layer")
         if self.config.policy == "shared" and _skips(st):
             kinds = {_kind(o.request.schedule) for o in self.running + list(self.waiting) if _skips(o)}
             if kinds and kinds != {_kind(st.request.schedule)}:
@@ -161,7 +170,8 @@ class Scheduler:
             if pos < st.prompt_len or budget <= 0:
                 break
 
-        rows = [st for st in self.running if st.status is Status.DECODE]
+        plan.verify = [st for st in self.running if st.status is Status.DECODE and st.verifying]
+        rows = [st for st in self.running if st.status is Status.DECODE and not st.verifying]
         if rows:
             own = [st.next_own_budget() for st in rows]
             kinds = [_kind(st.request.schedule) for st in rows]

@@ -1,0 +1,273 @@
+"""Lossless mode: the skip schedule drafts, a full-depth pass verifies, in the
+same continuous batch. Greedy output is token-identical to full depth whatever
+the arrivals, speedups, draft lengths and batch-mates; sampled output is
+distributed exactly as full depth's; rejected drafts leave no trace in the KV
+pool, and an abort mid-round frees every slot."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import skipdecode.engine.engine as engine_mod
+from conftest import _LLAMA, build_tiny
+from skipdecode.checkpoint import load_model
+from skipdecode.engine import Engine, EngineConfig, EngineError, KVPool
+from skipdecode.reference import naive_generate
+from skipdecode.schedule import SkipSchedule
+
+L = 10
+VOCAB = 256
+
+
+def _damp(model, factor: float):
+    """Shrink the middle layers' residual branches so a skipped pass often
+    agrees with full depth: rounds then both accept and reject drafts."""
+    with torch.no_grad():
+        for layer in model.layers[1:-1]:
+            layer.wo.weight.mul_(factor)
+            layer.w2.weight.mul_(factor)
+    return model
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A tiny 10-layer Llama whose skipped passes agree with full depth about half the time:
+    (reference model, packed model)."""
+    d = tmp_path_factory.mktemp("lossless") / "llama"
+    build_tiny("llama", d, seed=7, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
+                                           tie_word_embeddings=False))
+    return _damp(load_model(d)[0], 0.1), _damp(load_model(d)[0], 0.1).pack_for_inference()
+
+
+def _sched(speedup: float, new: int) -> SkipSchedule:
+    return SkipSchedule.full_depth(L) if speedup == 1 else SkipSchedule.for_speedup(speedup, new, L)
+
+
+def _alone(model, prompt, new, **kw):
+    eng = Engine(model, EngineConfig(kv_slots=1024))
+    eng.add_request(prompt, max_new_tokens=new, **kw)
+    (out,) = eng.run()
+    return out
+
+
+def test_greedy_lossless_is_token_identical_to_full_depth_in_mixed_continuous_batches(deep):
+    """Random arrivals and prompt lengths, speedups 2x-5x, K in 1..8, beside
+    plain-skip and 1x batch-mates: every lossless request gets exactly the naive
+    full-depth reference's tokens, every other request exactly its tokens alone."""
+    ref, model = deep
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    arrivals: dict[int, list[dict]] = {}
+    specs = {}
+    for r in range(16):
+        n = rng.choice([1, 5, 33, 130]) if r < 4 else rng.randint(1, 160)
+        new = rng.randint(2, 14)
+        kind = "lossless" if r % 3 != 2 else rng.choice(["skip", "full"])
+        spec = dict(prompt_token_ids=torch.randint(3, VOCAB, (n,), generator=g).tolist(), max_new_tokens=new,
+                    request_id=f"r{r}", ignore_eos=True)
+        if kind == "lossless":
+            spec.update(schedule=_sched(rng.choice([2, 3, 4, 5]), new), lossless=True, draft_tokens=rng.randint(1, 8))
+        elif kind == "skip":
+            spec.update(schedule=_sched(rng.choice([2, 3, 5]), new))
+        specs[spec["request_id"]] = spec
+        arrivals.setdefault(rng.randint(0, 25), []).append(spec)
+    eng = Engine(model, EngineConfig(max_num_seqs=6, max_prefill_tokens=64, prefill_chunk=32, kv_slots=1200))
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
+    done = {}
+    while any(s >= eng.step_count for s in arrivals) or eng.has_unfinished():
+        for spec in arrivals.get(eng.step_count, []):
+            eng.add_request(**spec)
+        for o in eng.step():
+            assert o.new_token_ids, "an output carries verified tokens only"
+            if o.finished:
+                done[o.request_id] = o
+    assert sorted(done) == sorted(specs)
+    assert any(p.verify and p.decode and p.prefill for p in plans), "a verification shared a step with others"
+    drafted = accepted = 0
+    for rid, spec in specs.items():
+        out, new = done[rid], spec["max_new_tokens"]
+        assert len(out.token_ids) == new
+        if spec.get("lossless"):
+            full = naive_generate(ref, spec["prompt_token_ids"], SkipSchedule.full_depth(L), new)
+            assert out.token_ids == full, rid
+            assert out.active_layers == [list(range(L))] * (new - 1) + [[]], "every verified position ran all layers"
+            assert out.decode_layer_speedup == 1.0
+            drafted, accepted = drafted + out.draft.drafted, accepted + out.draft.accepted
+            assert len(out.draft.acceptance) == out.draft.drafted
+        else:
+            alone = _alone(model, spec["prompt_token_ids"], new, schedule=spec.get("schedule"), ignore_eos=True)
+            assert out.token_ids == alone.token_ids, rid
+            assert out.draft is None
+    assert 0 < accepted < drafted, "rounds both accepted and rejected drafts"
+    assert eng.pool.used_slots == 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_each_draft_length_matches_full_depth_at_every_speedup(deep, k):
+    ref, model = deep
+    g = torch.Generator().manual_seed(k)
+    for speedup in (2, 3, 4, 5):
+        prompt = torch.randint(3, VOCAB, (11,), generator=g).tolist()
+        out = _alone(model, prompt, 20, schedule=_sched(speedup, 20), lossless=True, draft_tokens=k, ignore_eos=True)
+        assert out.token_ids == naive_generate(ref, prompt, SkipSchedule.full_depth(L), 20)
+        spec = out.draft
+        assert spec.drafted <= k * spec.rounds
+        # drafts within a round ran non-increasing budgets, each the schedule's at its own position
+        sched = _sched(speedup, 20)
+        assert all(b == sched.budget(pos - 1) for pos, b, _ in spec.acceptance)
+
+
+def test_eos_drafted_or_verified_ends_the_request_as_full_depth_does(deep):
+    """EOS stops a round's drafting; a lossless request ends where full depth ends."""
+    ref, model = deep
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        prompt = torch.randint(3, VOCAB, (9,), generator=g).tolist()
+        full = naive_generate(ref, prompt, SkipSchedule.full_depth(L), 24)
+        eos = full[len(full) // 2]  # a token full depth emits mid-way: treat it as the end
+        eng = Engine(model, EngineConfig(kv_slots=512), eos_token_ids=[eos])
+        eng.add_request(prompt, schedule=_sched(3, 24), max_new_tokens=24, lossless=True, draft_tokens=6)
+        (out,) = eng.run()
+        want = full[:full.index(eos) + 1]
+        assert out.token_ids == want and out.finish_reason == "eos"
+        assert eng.pool.used_slots == 0
+
+
+class _NaNPool(KVPool):
+    """Every slot starts as NaN: reading a never-written slot poisons the logits."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        for t in self.k + self.v:
+            t.fill_(float("nan"))
+
+
+def test_no_slot_read_before_written_and_abort_mid_round_frees_every_slot(deep, monkeypatch):
+    """NaN-poisoned pool: lossless requests (beside a plain skip one) produce the
+    full-depth tokens, so no draft read a slot nobody wrote; aborting a request
+    whose drafts wait for verification releases all its slots at once."""
+    ref, model = deep
+    monkeypatch.setattr(engine_mod, "KVPool", _NaNPool)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 30, 3)]
+    eng = Engine(model, EngineConfig(kv_slots=300))
+    eng.add_request(prompts[0], schedule=_sched(3, 16), max_new_tokens=16, lossless=True, draft_tokens=4,
+                    request_id="a", ignore_eos=True)
+    eng.add_request(prompts[1], schedule=_sched(5, 16), max_new_tokens=16, lossless=True, draft_tokens=3,
+                    request_id="b", ignore_eos=True)
+    eng.add_request(prompts[2], schedule=_sched(2, 16), max_new_tokens=16, request_id="c", ignore_eos=True)
+    done = {}
+    aborted = False
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        b = eng.requests.get("b")
+        if not aborted and b is not None and b.verifying and len(b.token_ids) > 3:
+            used = eng.pool.used_slots
+            held = sum(b.reservation.needs)
+            eng.abort("b")
+            aborted = True
+            assert eng.pool.used_slots == used - held
+    assert aborted
+    assert done["a"].token_ids == naive_generate(ref, prompts[0], SkipSchedule.full_depth(L), 16)
+    assert done["c"].token_ids == _alone(model, prompts[2], 16, schedule=_sched(2, 16), ignore_eos=True).token_ids
+    assert eng.pool.used_slots == 0
+
+
+def test_lossless_reserves_full_depth_in_the_pool(deep):
+    _, model = deep
+    eng = Engine(model, EngineConfig(kv_slots=200))
+    st = eng.add_request([5] * 10, schedule=_sched(3, 32), max_new_tokens=32, lossless=True)
+    eng.step()
+    assert st.reservation.needs == [10 + 31] * L
+
+
+def test_bad_lossless_options_are_clear_errors(deep):
+    _, model = deep
+    eng = Engine(model, EngineConfig(kv_slots=200))
+    with pytest.raises(EngineError, match="draft_tokens applies to lossless requests only"):
+        eng.make_request([5, 6], schedule=_sched(2, 8), max_new_tokens=8, draft_tokens=3)
+    for bad in (0, 17, True, 2.5):
+        with pytest.raises(EngineError, match="draft_tokens must be an integer in"):
+            eng.make_request([5, 6], max_new_tokens=8, lossless=True, draft_tokens=bad)
+    with pytest.raises(EngineError, match="lossless must be true or false"):
+        eng.make_request([5, 6], max_new_tokens=8, lossless="yes")
+    shared = Engine(model, EngineConfig(kv_slots=200, policy="shared"))
+    with pytest.raises(EngineError, match="lossless requests need the per_row policy"):
+        shared.add_request([5, 6], schedule=_sched(2, 8), max_new_tokens=8, lossless=True)
+
+
+def _chi2_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of observed counts to probabilities, cells with fewer than
+    5 expected merged into one (the test's usual validity rule)."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    e = torch.cat([exp[big], exp[~big].sum()[None]]).double()
+    keep = e > 0
+    obs, e = obs[keep], e[keep]
+    return _chi2_sf(float(((obs - e) ** 2 / e).sum()), int(keep.sum()) - 1)
+
+
+FALSE_ALARM = 1e-3  # per marginal; with fixed seeds the test is deterministic
+
+
+def test_sampled_lossless_tokens_are_distributed_as_full_depth_sampling(tmp_path):
+    """A 16-token vocabulary: the exact full-depth marginals of the 2nd and 3rd
+    generated tokens (enumerated), against 3000 seeded lossless requests
+    (drafts at 3x, sampled at temperature 1): chi-square goodness of fit at a
+    0.1% false-alarm rate per marginal. Plain 3x sampling, the drafts' own
+    distribution, fails the same test, so the test can tell them apart."""
+    V, N, NEW = 16, 3000, 3
+    d = tmp_path / "small"
+    build_tiny("llama", d, seed=3, **dict(_LLAMA, vocab_size=V, num_hidden_layers=6, tie_word_embeddings=False,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    ref = load_model(d)[0]
+    model = load_model(d)[0].pack_for_inference()
+    prompt = [5, 9, 3, 12]
+    sched = SkipSchedule.for_speedup(3, NEW, 6)
+
+    with torch.inference_mode():  # the exact full-depth distribution, by enumeration
+        def nxt(seqs: torch.Tensor) -> torch.Tensor:
+            T = seqs.shape[1]
+            return ref(seqs, torch.arange(T).expand(seqs.shape[0], T))[:, -1].float().softmax(-1)
+
+        p0 = nxt(torch.tensor([prompt]))[0]  # (V,)
+        seq1 = torch.cat([torch.tensor(prompt).expand(V, -1), torch.arange(V)[:, None]], 1)
+        p1 = nxt(seq1)  # (V, V): p(t1 | t0)
+        m1 = p0 @ p1
+        seq2 = torch.cat([seq1.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
+        p2 = nxt(seq2).view(V, V, V)  # p(t2 | t0, t1)
+        m2 = torch.einsum("a,ab,abc->c", p0, p1, p2)
+
+    def run(**kw) -> torch.Tensor:
+        eng = Engine(model, EngineConfig(max_num_seqs=N, max_prefill_tokens=N * len(prompt), kv_slots=N * 8))
+        for s in range(N):
+            eng.add_request(prompt, max_new_tokens=NEW, ignore_eos=True, request_id=str(s),
+                            sampling=engine_mod.SamplingParams(temperature=1.0, seed=s), **kw)
+        outs = eng.run()
+        return torch.tensor([o.token_ids for o in outs]), outs
+
+    toks, outs = run(schedule=sched, lossless=True, draft_tokens=2)
+    drafted = sum(o.draft.drafted for o in outs)
+    accepted = sum(o.draft.accepted for o in outs)
+    assert 0.1 * drafted < accepted < 0.9 * drafted, "both the acceptance and the residual paths ran often"
+    for j, m in ((1, m1), (2, m2)):
+        counts = torch.bincount(toks[:, j], minlength=V)
+        assert _chi2_p(counts, m) > FALSE_ALARM, f"token {j} is not distributed as full depth's"
+
+    plain, _ = run(schedule=sched)
+    assert min(_chi2_p(torch.bincount(plain[:, j], minlength=V), m) for j, m in ((1, m1), (2, m2))) < FALSE_ALARM
