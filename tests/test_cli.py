@@ -31,11 +31,28 @@ def test_generate_json_prints_one_object_per_prompt(tiny_cli_dir, capsys):
     expected_speedup = SkipSchedule.for_speedup(2, NEW, L).decode_layer_speedup(NEW)
     assert abs(expected_speedup / 2 - 1) <= 0.01
     for prompt, o in zip(PROMPTS, objs):
-        assert set(o) == {"prompt", "text", "new_tokens", "finish_reason", "decode_layer_speedup", "seconds"}
+        assert set(o) == {"prompt", "text", "token_ids", "new_tokens", "finish_reason", "decode_layer_speedup",
+                          "seconds"}
         assert o["prompt"] == prompt
         assert o["new_tokens"] == NEW and o["finish_reason"] == "length"
         assert o["decode_layer_speedup"] == pytest.approx(expected_speedup)
         assert o["seconds"] > 0 and isinstance(o["text"], str) and o["text"]
+
+
+def test_generate_lossless_gives_full_depth_tokens_and_reports_its_drafts(tiny_cli_dir, capsys):
+    full = run_json(capsys, tiny_cli_dir, *PROMPTS)
+    for k in ("1", "3"):
+        objs = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--lossless", "--draft-tokens", k, *PROMPTS)
+        for f, o in zip(full, objs):
+            assert o["token_ids"] == f["token_ids"] and o["text"] == f["text"]
+            d = o["draft"]
+            assert d["drafted_tokens"] > 0 and 0 <= d["accepted_tokens"] <= d["drafted_tokens"]
+            assert d["rounds"] * int(k) >= d["drafted_tokens"]
+    _, err = run(capsys, "generate", "--model", str(tiny_cli_dir), "--max-new-tokens", "4", "--speedup", "2",
+                 "--lossless", PROMPTS[0])
+    assert "lossless" in err and "drafts accepted" in err
+    assert main(["generate", "--model", str(tiny_cli_dir), "--draft-tokens", "2", PROMPTS[0]]) != 0
+    assert "--draft-tokens applies to --lossless generation only" in capsys.readouterr().err
 
 
 def test_generate_full_depth_reports_1x(tiny_cli_dir, capsys):

@@ -115,6 +115,43 @@ def test_a_schedule_and_sampling_fields_are_honoured(server, llm):
         assert r.choices[0].finish_reason == "stop" and cut not in r.choices[0].text
 
 
+def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage(server, llm):
+    """A lossless request gives full depth's text; every streamed prefix is a
+    prefix of it (no draft is shown and then taken back); usage reports the
+    drafted and accepted tokens and the layer work; stop strings hold."""
+    c = client(server)
+    prompt = "Describe a pub by the river."
+    want = llm.generate(prompt, max_new_tokens=16, chat=False)[0]  # full depth
+    for sp, k in ((2, 1), (2.5, 4), (3, 8)):
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                 extra_body={"speedup": sp, "lossless": True, "draft_tokens": k, "trace": True})
+        assert r.choices[0].text == want.text
+        assert r.choices[0].model_extra["token_ids"] == want.token_ids
+        u = r.usage.model_extra
+        assert u["drafted_tokens"] >= u["accepted_tokens"] >= 0 and u["drafted_tokens"] > 0
+        assert u["draft_layers"] > 0 and u["verify_layers"] >= 6 * 15
+        assert u["layer_work_vs_full_depth"] == pytest.approx((u["draft_layers"] + u["verify_layers"]) / (6 * 15),
+                                                              abs=1e-4)
+        text = ""
+        chunks = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                      stream_options={"include_usage": True},
+                                      extra_body={"speedup": sp, "lossless": True, "draft_tokens": k})
+        for ch in chunks:
+            if ch.choices:
+                text += ch.choices[0].text
+                assert want.text.startswith(text), "a stream shows verified tokens only"
+            else:
+                assert ch.usage.model_extra["drafted_tokens"] == u["drafted_tokens"]
+        assert text == want.text
+    cut = want.text[3:5]
+    if cut.strip():
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=cut,
+                                 extra_body={"speedup": 3, "lossless": True})
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text[:want.text.index(cut)]
+    with pytest.raises(openai.BadRequestError, match="draft_tokens"):
+        c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body={"draft_tokens": 3})
+
+
 def test_64_concurrent_streaming_clients_with_mixed_speedups_each_get_their_solo_output(server, llm):
     prompts = [f"Request {i}: describe restaurant number {i * 7 % 13}." for i in range(64)]
     speedups = [(1, 2, 3)[i % 3] for i in range(64)]

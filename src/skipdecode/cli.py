@@ -30,7 +30,8 @@ DEMO_PROMPTS = [
 
 REQUEST_FIELDS = {"prompt": str, "speedup": (int, float), "schedule": dict, "max_new_tokens": int,
                   "arrive_at_step": int, "mode": str, "temperature": (int, float), "top_k": int,
-                  "top_p": (int, float), "seed": int, "stop": (str, list), "expected_new_tokens": int}
+                  "top_p": (int, float), "seed": int, "stop": (str, list), "expected_new_tokens": int,
+                  "lossless": bool, "draft_tokens": int}
 
 
 def read_requests(path: str, default_new_tokens: int) -> list[dict]:
@@ -48,7 +49,7 @@ def read_requests(path: str, default_new_tokens: int) -> list[dict]:
         if "prompt" not in d:
             raise EngineError(f"{path}:{n}: a request needs a \"prompt\"")
         for k, t in REQUEST_FIELDS.items():
-            if k in d and (isinstance(d[k], bool) or not isinstance(d[k], t)):
+            if k in d and (isinstance(d[k], bool) != (t is bool) or not isinstance(d[k], t)):
                 raise EngineError(f"{path}:{n}: {k!r} has the wrong type ({type(d[k]).__name__})")
         if d.get("arrive_at_step", 0) < 0:
             raise EngineError(f"{path}:{n}: arrive_at_step must be >= 0")
@@ -65,14 +66,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if bool(a.requests) == bool(a.prompt):
         raise EngineError("give prompts or --requests FILE.jsonl, not both (nor neither)")
+    if a.draft_tokens is not None and not a.lossless:
+        raise EngineError("--draft-tokens applies to --lossless generation only: add --lossless or drop it")
     if a.requests:
         reqs = read_requests(a.requests, a.max_new_tokens)
         llm = LLM.load(a.model, dtype=a.dtype)
         cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_slots, policy=a.policy)
         for r, o in enumerate(llm.replay(reqs, cfg)):
             if not a.trace:
-                for k in ("prompt_token_ids", "token_ids", "active_layers"):
+                for k in ("prompt_token_ids", "active_layers"):
                     o.pop(k)
+            if o.get("draft") is None:
+                o.pop("draft", None)
             if a.json:
                 print(json.dumps(o, ensure_ascii=False))
             else:
@@ -89,7 +94,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         a.prompt, speedup=a.speedup, schedule=a.schedule, max_new_tokens=a.max_new_tokens,
         expected_new_tokens=a.expected_new_tokens, mode=a.mode, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop or (), chat=a.chat,
-        system=a.system, on_text=on_text if stream else None,
+        system=a.system, on_text=on_text if stream else None, lossless=a.lossless, draft_tokens=a.draft_tokens,
     )
     for o in outs:
         if a.json:
@@ -99,8 +104,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 print(o.text)
             else:
                 print()
-            print(f"[{o.new_tokens} tokens, {o.seconds:.2f} s, decode-layer speedup "
-                  f"{o.decode_layer_speedup:.2f}x, {o.finish_reason}]", file=sys.stderr)
+            how = (f"lossless, {o.draft['accepted_tokens']} of {o.draft['drafted_tokens']} drafts accepted"
+                   if o.draft else f"decode-layer speedup {o.decode_layer_speedup:.2f}x")
+            print(f"[{o.new_tokens} tokens, {o.seconds:.2f} s, {how}, {o.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -350,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speedup", type=SPEEDUP, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
     s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
     g.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
+    g.add_argument("--lossless", action="store_true",
+                   help="the schedule only drafts; full depth verifies every token, so the output is full depth's")
+    g.add_argument("--draft-tokens", type=POSITIVE, default=None,
+                   help="with --lossless: tokens drafted per verification (default 4)")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=64)
     g.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
                    help="length the --speedup schedule is solved for (default: --max-new-tokens)")

@@ -36,6 +36,7 @@ class RowResult:
     num_layers: int = 0
     decode_layer_speedup: float = 1.0
     text: str = ""
+    draft: dict | None = None  # lossless: drafted/accepted tokens and the layer work (DraftStats.to_dict)
 
 
 def generate_tokens(
@@ -51,6 +52,8 @@ def generate_tokens(
     policy: str = "per_row",
     tokenizer=None,
     stop: Sequence[str] = (),
+    lossless: bool = False,
+    draft_tokens: int | None = None,
 ) -> tuple[list[RowResult], dict]:
     """Generate for a batch of token-id prompts; returns per-row results and
     batch stats (prefill/decode seconds, KV bytes, decode steps).
@@ -59,6 +62,8 @@ def generate_tokens(
     from seed ``sampling.seed + r``, whatever its batch-mates.
     on_token(row, token_id) is called for every new token; with a tokenizer,
     on_text(row, delta) for every piece of text (streaming; stop strings never shown).
+    lossless: the schedule only drafts (``draft_tokens`` per round) and full depth
+    verifies, so the tokens are full depth's (see ``engine.engine``).
     """
     if not prompts:
         raise GenerationError("no prompts given")
@@ -76,12 +81,14 @@ def generate_tokens(
         row_sampling = sampling if sampling.greedy else Sampling(sampling.temperature, sampling.top_k,
                                                                  sampling.top_p, base + r)
         try:
-            requests.append(probe.make_request(p, s, max_new_tokens, row_sampling, stop, request_id=str(r)))
+            requests.append(probe.make_request(p, s, max_new_tokens, row_sampling, stop, request_id=str(r),
+                                               lossless=lossless, draft_tokens=draft_tokens))
         except EngineError as e:
             raise GenerationError(f"prompt {r}: {e}") from None
     lens = [len(q.prompt_token_ids) for q in requests]
     cfg = EngineConfig(max_num_seqs=len(prompts), max_prefill_tokens=sum(lens), policy=policy,
-                       kv_slots=pool_for([q.schedule for q in requests], lens, [max_new_tokens] * len(requests)))
+                       kv_slots=pool_for([SkipSchedule.full_depth(model.cfg.n_layers) if q.lossless else q.schedule
+                                          for q in requests], lens, [max_new_tokens] * len(requests)))
     engine = Engine(model, cfg, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
     for q in requests:
         engine.add(q)
@@ -104,6 +111,8 @@ def generate_tokens(
                 res.token_ids, res.active_layers = out.token_ids, out.active_layers
                 res.finish_reason, res.seconds = out.finish_reason, out.finish_time - t0
                 res.decode_layer_speedup, res.text = out.decode_layer_speedup, out.text
+                if out.draft is not None:
+                    res.draft = out.draft.to_dict(L, len(out.token_ids) - 1)
         if first_step_done is None:
             first_step_done = time.perf_counter()
     total = time.perf_counter() - t0
@@ -111,5 +120,7 @@ def generate_tokens(
     stats = {"prefill_seconds": (first_step_done or t0) - t0, "decode_seconds": total - ((first_step_done or t0) - t0),
              "seconds": total, "decode_steps": c["decode_steps"], "kv_cache_bytes": kv_bytes,
              "kv_cache_full_bytes": kv_full, "kv_cache_saved_bytes": kv_full - kv_bytes,
-             "batch_size": len(prompts), "engine_steps": engine.step_count}
+             "batch_size": len(prompts), "engine_steps": engine.step_count,
+             "drafted_tokens": c["drafted_tokens"], "accepted_tokens": c["accepted_tokens"],
+             "verify_rounds": c["verify_rounds"]}
     return results, stats

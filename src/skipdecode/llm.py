@@ -45,12 +45,17 @@ class Completion:
     finish_reason: str
     decode_layer_speedup: float
     seconds: float
+    draft: dict | None = None  # lossless: drafted and accepted tokens, rounds, layer work
 
     def to_dict(self, trace: bool = False) -> dict:
+        """Without ``trace``: the text, the generated ``token_ids`` and the numbers; with it,
+        also the prompt's ids and the layers each token ran."""
         d = asdict(self)
         if not trace:
-            for k in ("prompt_token_ids", "token_ids", "active_layers"):
+            for k in ("prompt_token_ids", "active_layers"):
                 d.pop(k)
+        if d["draft"] is None:
+            d.pop("draft")
         return d
 
 
@@ -149,10 +154,14 @@ class LLM:
         system: str | None = None,
         ignore_eos: bool = False,
         on_text: Callable[[int, str], None] | None = None,
+        lossless: bool = False,
+        draft_tokens: int | None = None,
     ) -> list[Completion]:
         """Generate for one or many prompts in one batch (on the engine: every
         prompt admitted at once, each leaving when done); see ``Completion``.
-        ``on_text(row, delta)`` streams each row's text."""
+        ``on_text(row, delta)`` streams each row's text. ``lossless``: the
+        schedule drafts ``draft_tokens`` per round and full depth verifies them,
+        so the output is full depth's (greedy: the same tokens)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -166,10 +175,10 @@ class LLM:
             sampling=Sampling(temperature, top_k, top_p, seed),
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
             tokenizer=self.tokenizer, stop=stop,
-            on_text=on_text,
+            on_text=on_text, lossless=lossless, draft_tokens=draft_tokens,
         )
         return [Completion(p, r.text, pid, r.token_ids, r.active_layers, len(r.token_ids), r.finish_reason,
-                           r.decode_layer_speedup, r.seconds)
+                           r.decode_layer_speedup, r.seconds, r.draft)
                 for p, pid, r in zip(prompts, ids, rows)]
 
     # -- the engine: continuous batching for servers and replays -------------------
@@ -182,14 +191,15 @@ class LLM:
                 expected_new_tokens: int | None = None, mode: str = "skip", temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                 stop: str | Sequence[str] = (), chat: bool | None = None, system: str | None = None,
-                ignore_eos: bool = False, request_id: str | None = None) -> Request:
+                ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
+                draft_tokens: int | None = None) -> Request:
         """A validated engine request from text (or token ids) and the options of ``generate``."""
         if isinstance(schedule, dict):
             schedule = SkipSchedule.from_dict(schedule, self.num_layers)
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat, system)
         return engine.make_request(ids, sched, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                                   stop, ignore_eos, request_id)
+                                   stop, ignore_eos, request_id, lossless, draft_tokens)
 
     def replay(self, requests: Sequence[dict], config: EngineConfig | None = None) -> list[dict]:
         """Deterministic replay: request ``r`` (the keyword arguments of ``request``
@@ -216,6 +226,7 @@ class LLM:
                 if o.finished:
                     r = int(o.request_id)
                     c = Completion(requests[r]["prompt"], o.text, o.prompt_token_ids, o.token_ids, o.active_layers,
-                                   len(o.token_ids), o.finish_reason, o.decode_layer_speedup, o.finish_time - t0)
+                                   len(o.token_ids), o.finish_reason, o.decode_layer_speedup, o.finish_time - t0,
+                                   o.draft.to_dict(self.num_layers, len(o.token_ids) - 1) if o.draft else None)
                     done[r] = dict(c.to_dict(trace=True), arrived_step=o.arrived_step, finished_step=o.finished_step)
         return [done[r] for r in range(len(requests))]

@@ -235,7 +235,8 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
             req = llm.request(eng, prompt_ids, speedup=speedup, schedule=sched, max_new_tokens=max_tokens,
                               mode=body.mode, temperature=body.temperature, top_k=body.top_k,
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
-                              request_id=f"{uuid.uuid4().hex}")
+                              request_id=f"{uuid.uuid4().hex}", lossless=body.lossless,
+                              draft_tokens=body.draft_tokens)
             eng.scheduler.check_capacity(req)  # the rest is checked by the engine thread
         except EngineError as e:
             code = "context_length_exceeded" if "KV slots" in str(e) else None
@@ -287,8 +288,11 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
 
     def usage(prompt_len: int, out: RequestOutput) -> dict:
         n = len(out.token_ids)
-        return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
-                "decode_layer_speedup": round(out.decode_layer_speedup, 4)}
+        u = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n,
+             "decode_layer_speedup": round(out.decode_layer_speedup, 4)}
+        if out.draft is not None:  # lossless: drafted, accepted and the layer work it took
+            u.update(out.draft.to_dict(state.llm.num_layers, max(n - 1, 0)))
+        return u
 
     def finish_reason(out: RequestOutput) -> str | None:
         return {"eos": "stop", "stop": "stop", "length": "length"}.get(out.finish_reason or "", out.finish_reason)

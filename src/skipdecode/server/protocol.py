@@ -3,8 +3,9 @@
 Standard fields follow OpenAI's API (defaults included: ``temperature`` 1,
 ``max_tokens`` 16 for completions). Skip controls ride as extra body fields,
 the way vLLM takes ``top_k``: ``speedup`` or ``schedule`` (the fields of
-``SkipSchedule``), ``mode``, and ``trace`` (token ids and the layers each
-token ran, per choice). Unknown fields are refused, so a typo is a 400, not a
+``SkipSchedule``), ``mode``, ``trace`` (token ids and the layers each
+token ran, per choice), and ``lossless`` with ``draft_tokens`` (the schedule
+drafts, full depth verifies; streams carry verified tokens only). Unknown fields are refused, so a typo is a 400, not a
 silently ignored option.
 """
 
@@ -65,6 +66,8 @@ class _Sampling(BaseModel):
     schedule: ScheduleFields | None = None
     mode: Literal["skip", "early_exit"] = "skip"
     trace: bool = False
+    lossless: bool = False  # the schedule drafts, full depth verifies: full depth's output
+    draft_tokens: int | None = Field(None, ge=1, le=16)
 
     @field_validator("temperature", "top_p", "speedup", "presence_penalty", "frequency_penalty")
     @classmethod
@@ -93,6 +96,8 @@ class _Sampling(BaseModel):
             raise ValueError("presence_penalty/frequency_penalty: not supported (use 0)")
         if self.speedup is not None and self.schedule is not None:
             raise ValueError("speedup/schedule: give either a target speedup or a schedule, not both")
+        if self.draft_tokens is not None and not self.lossless:
+            raise ValueError("draft_tokens: applies to lossless requests only (add \"lossless\": true)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true")
         return self
