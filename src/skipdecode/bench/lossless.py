@@ -1,0 +1,321 @@
+"""``skipdecode bench --lossless``: lossless mode (the skip path drafts, full
+depth verifies) against full depth, plain skipping and transformers' assisted
+generation with ``assistant_early_exit``, in one run.
+
+Prompts: E2E meaning representations of held-out restaurant names (the
+``e2e-names`` validation split, never trained on), chat template, greedy,
+ending on EOS or ``max_new_tokens``. Lossless greedy output equals full
+depth's, so both generate the same tokens and tokens/s compare directly.
+
+- **batch 1**: per prompt, decode time = the engine's time from the first
+  token to the last (the prompt excluded), the best of ``repeats`` runs;
+  decode tokens/s = tokens after the first / decode time, over all prompts.
+  Rows: full depth, plain skipping at each target, lossless at each target
+  and draft length K. The K with the best tokens/s is reported as the choice.
+- **batch 8**: the prompts in batches of 8, whole-generation tokens/s.
+- **serving**: the engine under Poisson arrivals (``bench.engine.serve``),
+  full depth against the chosen lossless setting; sustainable throughput is
+  the best tokens/s among rates whose p99 time per output token is <= 100 ms.
+- **acceptance** (where skipping loses): every draft of the batch-1 runs with
+  its generated position, the budget of the pass that drafted it, and whether
+  full depth's token there is *copied* (its id occurs in the prompt's meaning
+  representation, e.g. a name) or not.
+- **transformers**: ``generate`` at batch 1, plain and with
+  ``assistant_early_exit`` at several exit layers, on the same weights (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .. import atomic
+from ..llm import LLM
+from .decode import machine_info
+from .engine import _arrivals, serve
+
+RESULTS = Path("benchmarks/results")
+POS_BUCKETS = [(0, 4), (4, 8), (8, 16), (16, 32), (32, 10**9)]
+TPOT_LIMIT_MS = 100.0
+
+
+def _best(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        r = fn()
+        dt = time.perf_counter() - t
+        if dt < best:
+            best, out = dt, r
+    return best, out
+
+
+def _label(bucket: tuple[int, int]) -> str:
+    lo, hi = bucket
+    return f"{lo}-{hi - 1}" if hi < 10**9 else f"{lo}+"
+
+
+def acceptance_tables(records: list[tuple[float, int, int, bool, bool]]) -> dict:
+    """``records``: (target, position, budget, accepted, copied) per draft ->
+    acceptance rate and count by position bucket, by budget and by token kind, per target."""
+    out: dict = {}
+    for target in sorted({r[0] for r in records}):
+        rs = [r for r in records if r[0] == target]
+
+        def table(key, label=str) -> dict:
+            groups: dict = {}
+            for r in rs:
+                groups.setdefault(key(r), []).append(r[3])
+            return {label(k): {"drafts": len(v), "acceptance": round(sum(v) / len(v), 4)}
+                    for k, v in sorted(groups.items())}
+
+        out[f"{target:g}x"] = {
+            "drafts": len(rs), "acceptance": round(sum(r[3] for r in rs) / len(rs), 4) if rs else None,
+            "by_position": table(lambda r: next(b for b in POS_BUCKETS if b[0] <= r[1] < b[1]), _label),
+            "by_budget": table(lambda r: r[2]),
+            "by_kind": table(lambda r: "copied" if r[4] else "other"),
+        }
+    return out
+
+
+def _hf_peer(path: Path, tokenizer, ids: list[list[int]], new_tokens: int, exits: list[int], repeats: int) -> dict:
+    """transformers ``generate`` at batch 1, plain and with ``assistant_early_exit``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rows = {}
+    for exit_layer in [None] + exits:
+        kw = {} if exit_layer is None else {"assistant_early_exit": exit_layer}
+        decode_s, tokens, texts = 0.0, 0, []
+        for x in ids:
+            inp = torch.tensor([x])
+
+            def gen(n: int):
+                with torch.inference_mode():
+                    return model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                          max_new_tokens=n, pad_token_id=pad, **kw)
+
+            t1, _ = _best(lambda: gen(1), repeats)
+            tn, out = _best(lambda: gen(new_tokens), repeats)
+            n = out.shape[1] - len(x)
+            decode_s += max(tn - t1, 0.0)
+            tokens += n - 1
+            texts.append(out[0, len(x):].tolist())
+        rows["transformers" if exit_layer is None else f"transformers-early-exit-{exit_layer}"] = {
+            "engine": "transformers", "assistant_early_exit": exit_layer, "decode_tokens": tokens,
+            "decode_seconds": round(decode_s, 3), "decode_tokens_per_s": round(tokens / decode_s, 2),
+            "token_ids": texts}
+    return rows
+
+
+def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = RESULTS,
+                       dtypes: tuple[str, ...] = ("float32", "int8"), n_prompts: int | None = None,
+                       max_new_tokens: int = 48, speedups: tuple[float, ...] = (2.0, 3.0, 5.0),
+                       draft_tokens: tuple[int, ...] = (2, 4, 6), repeats: int | None = None,
+                       hf_exits: tuple[int, ...] = (8, 15, 22)) -> dict:
+    from ..data import load_task, parse_mr
+
+    n_prompts = n_prompts or (4 if quick else 12)
+    repeats = repeats or (1 if quick else 2)
+    if quick:
+        speedups, draft_tokens, hf_exits = speedups[:2], draft_tokens[:2], hf_exits[:1]
+    items = load_task("e2e-names").eval_items("validation")[:max(n_prompts, 8)]
+    report: dict = {"machine": machine_info(), "model": model, "max_new_tokens": max_new_tokens,
+                    "prompts": n_prompts, "split": "e2e-names validation (held-out restaurant names)",
+                    "repeats": repeats, "tpot_limit_ms": TPOT_LIMIT_MS, "dtypes": {}}
+    for dtype in dtypes:
+        llm = LLM.load(model, dtype=dtype)
+        L = llm.num_layers
+        ids = [llm.encode(it.prompt) for it in items]
+        mr_ids = [set(llm.tokenizer.encode(", ".join(v for _, v in parse_mr(it.group)), add_special_tokens=False))
+                  for it in items]
+        llm.generate(items[0].prompt, max_new_tokens=4)  # warm-up (kernels, allocator)
+
+        def alone(x: list[int], **kw):
+            """One request alone on the engine: (decode seconds, its final output)."""
+            eng = llm.engine()
+            eng.add(llm.request(eng, x, max_new_tokens=max_new_tokens, **kw))
+            (o,) = eng.run()
+            return o.finish_time - o.first_token_time, o
+
+        def batch1(**kw) -> dict:
+            decode_s, tokens, outs = 0.0, 0, []
+            for x in ids[:n_prompts]:
+                t, o = min((alone(x, **kw) for _ in range(repeats)), key=lambda r: r[0])
+                decode_s += t
+                tokens += len(o.token_ids) - 1
+                outs.append(o)
+            return {"decode_tokens": tokens, "decode_seconds": round(decode_s, 3),
+                    "decode_tokens_per_s": round(tokens / decode_s, 2), "outs": outs}
+
+        rows: dict = {"1x": dict(batch1(), kind="full depth", target=1.0, draft_tokens=None)}
+        full_ids = [o.token_ids for o in rows["1x"]["outs"]]
+        drafts = lambda outs, key: sum(getattr(o.draft, key) for o in outs)  # noqa: E731
+        records = []
+        for sp in speedups:
+            rows[f"skip {sp:g}x"] = dict(batch1(speedup=sp), kind="skip", target=sp, draft_tokens=None)
+            for k in draft_tokens:
+                r = batch1(speedup=sp, lossless=True, draft_tokens=k)
+                outs = r["outs"]
+                drafted, accepted = drafts(outs, "drafted"), drafts(outs, "accepted")
+                work = drafts(outs, "draft_layers") + drafts(outs, "verify_layers")
+                rows[f"lossless {sp:g}x K={k}"] = dict(
+                    r, kind="lossless", target=sp, draft_tokens=k, drafted=drafted, accepted=accepted,
+                    acceptance=round(accepted / max(drafted, 1), 4),
+                    layer_work_vs_full_depth=round(work / max(L * sum(len(o.token_ids) - 1 for o in outs), 1), 3),
+                    identical_to_full_depth=sum(o.token_ids == f for o, f in zip(outs, full_ids)))
+                if k == max(draft_tokens):  # the acceptance study: drafts reach furthest at the largest K
+                    for r, o in enumerate(outs):
+                        records += [(sp, pos, budget, ok, o.token_ids[pos] in mr_ids[r])
+                                    for pos, budget, ok in o.draft.acceptance]
+        base = rows["1x"]["decode_tokens_per_s"]
+        for r in rows.values():
+            r["vs_1x"] = round(r["decode_tokens_per_s"] / base, 3)
+            r.pop("outs")
+        best = max((k for k in rows if rows[k]["kind"] == "lossless"), key=lambda k: rows[k]["decode_tokens_per_s"])
+        choice = {"row": best, "target": rows[best]["target"], "draft_tokens": rows[best]["draft_tokens"]}
+
+        # batch 8: whole-generation tokens/s, full depth vs the chosen lossless setting
+        batch8 = {}
+        for name, kw in (("1x", {}), (best, dict(speedup=choice["target"], lossless=True,
+                                                  draft_tokens=choice["draft_tokens"]))):
+            prompts = [it.prompt for it in items[:8]]
+            t, outs = _best(lambda: llm.generate(prompts, max_new_tokens=max_new_tokens, **kw), repeats)
+            n = sum(o.new_tokens for o in outs)
+            batch8[name] = {"tokens": n, "seconds": round(t, 3), "tokens_per_s": round(n / t, 2),
+                            "token_ids": [o.token_ids for o in outs]}
+        same8 = sum(a == b for a, b in zip(batch8["1x"].pop("token_ids"), batch8[best].pop("token_ids")))
+        batch8[best]["vs_1x"] = round(batch8[best]["tokens_per_s"] / batch8["1x"]["tokens_per_s"], 3)
+        batch8[best]["identical_to_full_depth"] = same8
+
+        # serving: Poisson arrivals, full depth vs lossless
+        serving = {}
+        if dtype == "float32":
+            n_req = 8 if quick else 32
+            rates = [2.0, float("inf")] if quick else [2.0, 4.0, 8.0, float("inf")]
+            pool = load_task("e2e-names").eval_items("validation")
+            for name, kw in (("1x", {}), (best, dict(speedup=choice["target"], lossless=True,
+                                                      draft_tokens=choice["draft_tokens"]))):
+                runs = []
+                for rate in rates:
+                    eng = llm.engine()
+                    reqs = [llm.request(eng, pool[r % len(pool)].prompt, max_new_tokens=max_new_tokens,
+                                        request_id=str(r), **kw) for r in range(n_req)]
+                    res = serve(llm, reqs, _arrivals(n_req, rate, seed=0), "continuous", 32)
+                    runs.append({"rate": "inf" if rate == float("inf") else rate,
+                                 **{k: res[k] for k in ("tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_s",
+                                                        "generated_tokens")}})
+                ok = [r["tokens_per_s"] for r in runs if r["tpot_p99_ms"] <= TPOT_LIMIT_MS]
+                serving[name] = {"runs": runs, "sustainable_tokens_per_s": max(ok) if ok else None}
+            a, b = serving["1x"]["sustainable_tokens_per_s"], serving[best]["sustainable_tokens_per_s"]
+            serving["lossless_vs_1x"] = round(b / a, 3) if a and b else None
+
+        peer = {}
+        if dtype == "float32":
+            peer = _hf_peer(llm.path, llm.tokenizer, ids[:n_prompts], max_new_tokens, list(hf_exits), repeats)
+            for r in peer.values():
+                r["identical_to_full_depth"] = sum(a == b for a, b in zip(r.pop("token_ids"), full_ids))
+            best_hf = max(peer.values(), key=lambda r: r["decode_tokens_per_s"])
+            choice["vs_best_transformers"] = round(rows[best]["decode_tokens_per_s"] / best_hf["decode_tokens_per_s"],
+                                                   3)
+        report["dtypes"][dtype] = {"batch1": rows, "choice": choice, "batch8": batch8, "serving": serving,
+                                   "transformers": peer, "acceptance": acceptance_tables(records)}
+        del llm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / "lossless.json", json.dumps(report, indent=1) + "\n")
+    atomic.write_text(out / "lossless.md", render_markdown(report))
+    plot(report, out / "lossless.png")
+    return report
+
+
+def render_markdown(rep: dict) -> str:
+    m = rep["machine"]
+    lines = [
+        "# Lossless mode: the skip path drafts, full depth verifies",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; {m['date']}",
+        f"- Versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"skipdecode {m['skipdecode']}",
+        f"- Model `{rep['model']}`; {rep['prompts']} prompts of the {rep['split']}; chat template; greedy; up to "
+        f"{rep['max_new_tokens']} new tokens, ending on EOS; best of {rep['repeats']} runs per prompt.",
+        "- Command: `skipdecode bench --lossless` (`make bench-lossless`).",
+        "",
+    ]
+    for dtype, d in rep["dtypes"].items():
+        lines += [f"## {dtype}", "", "### Batch 1: decode tokens/s", "",
+                  "| row | decode tok/s | vs 1x | acceptance | layer work vs full depth | identical to 1x |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in d["batch1"].items():
+            ident = f"{r['identical_to_full_depth']}/{rep['prompts']}" if "identical_to_full_depth" in r else ""
+            lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['vs_1x']:.2f}x | "
+                         f"{r.get('acceptance', '')} | {r.get('layer_work_vs_full_depth', '')} | {ident} |")
+        c = d["choice"]
+        lines += ["", f"Best lossless setting here: **{c['row']}** ({d['batch1'][c['row']]['vs_1x']:.2f}x full depth"
+                  + (f", {c['vs_best_transformers']:.2f}x the best transformers row" if "vs_best_transformers" in c
+                     else "") + ").", "", "### Batch 8: tokens/s (whole generation)", "",
+                  "| row | tok/s | vs 1x | identical to 1x |", "|---|---|---|---|"]
+        for name, r in d["batch8"].items():
+            ident = f"{r['identical_to_full_depth']}/8" if "identical_to_full_depth" in r else ""
+            lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r.get('vs_1x', 1.0):.2f}x | {ident} |")
+        if d["serving"]:
+            lines += ["", f"### Serving engine, Poisson arrivals (sustainable: p99 TPOT <= {rep['tpot_limit_ms']:g} ms)",
+                      "", "| row | rate (req/s) | tok/s | TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|"]
+            for name, s in d["serving"].items():
+                if name == "lossless_vs_1x":
+                    continue
+                for r in s["runs"]:
+                    lines.append(f"| {name} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
+                                 f"{r['tpot_p99_ms']:.1f} |")
+            lines += ["", "Sustainable tokens/s: " + ", ".join(
+                f"{n} {s['sustainable_tokens_per_s']}" for n, s in d["serving"].items() if n != "lossless_vs_1x")
+                + f"; lossless / 1x = {d['serving']['lossless_vs_1x']}."]
+        if d["transformers"]:
+            lines += ["", "### transformers at batch 1 (fp32, same weights)", "",
+                      "| row | decode tok/s | identical to 1x |", "|---|---|---|"]
+            for name, r in d["transformers"].items():
+                lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['identical_to_full_depth']}/"
+                             f"{rep['prompts']} |")
+        lines += ["", "### Where skipping loses: draft acceptance", ""]
+        for target, a in d["acceptance"].items():
+            lines += [f"**{target}** ({a['drafts']} drafts, acceptance {a['acceptance']})", "",
+                      "| by | group | drafts | acceptance |", "|---|---|---|---|"]
+            for by in ("by_position", "by_budget", "by_kind"):
+                for g, v in a[by].items():
+                    lines.append(f"| {by[3:]} | {g} | {v['drafts']} | {v['acceptance']:.3f} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = rep["dtypes"].get("float32") or next(iter(rep["dtypes"].values()))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for target, a in d["acceptance"].items():
+        xs = list(a["by_position"])
+        ax1.plot(xs, [a["by_position"][x]["acceptance"] for x in xs], marker="o", label=f"drafts at {target}")
+    ax1.set_xlabel("generated position")
+    ax1.set_ylabel("share of drafts full depth accepts")
+    ax1.set_ylim(0, 1)
+    ax1.legend()
+    ax1.set_title("Acceptance by position")
+    names = list(d["batch1"])
+    ax2.barh(names, [d["batch1"][n]["vs_1x"] for n in names],
+             color=["#888" if d["batch1"][n]["kind"] != "lossless" else "#2a7" for n in names])
+    ax2.axvline(1.0, color="k", lw=0.8)
+    ax2.set_xlabel("decode tokens/s vs full depth (batch 1)")
+    ax2.set_title("Speed (green: lossless)")
+    fig.suptitle(f"Lossless mode on {rep['model']}, {rep['machine']['cpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
