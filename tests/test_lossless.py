@@ -35,11 +35,11 @@ def _damp(model, factor: float):
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """A tiny 10-layer Llama whose skipped passes agree with full depth about half the time:
-    (reference model, packed model)."""
+    (reference model, packed model whose drafts score the first 64 token ids and their prompt's)."""
     d = tmp_path_factory.mktemp("lossless") / "llama"
     build_tiny("llama", d, seed=7, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
                                            tie_word_embeddings=False))
-    return _damp(load_model(d)[0], 0.1), _damp(load_model(d)[0], 0.1).pack_for_inference()
+    return _damp(load_model(d)[0], 0.1), _damp(load_model(d)[0], 0.1).pack_for_inference(draft_vocab=64)
 
 
 def _sched(speedup: float, new: int) -> SkipSchedule:
@@ -188,6 +188,21 @@ def test_lossless_reserves_full_depth_in_the_pool(deep):
     assert st.reservation.needs == [10 + 31] * L
 
 
+def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary_and_the_prompts_tokens(deep):
+    _, model = deep
+    h = torch.randn(3, 1, model.cfg.dim)
+    extra = [torch.tensor([100, 200]), torch.tensor([], dtype=torch.long), torch.tensor([64])]
+    with torch.inference_mode():
+        full = model.lm_head(h).float()[:, 0]
+        got = model.draft_logits(h, extra)
+    for r, ids in enumerate(extra):
+        scored = torch.zeros(VOCAB, dtype=torch.bool)
+        scored[:64] = True
+        scored[ids] = True
+        torch.testing.assert_close(got[r, scored], full[r, scored], rtol=1e-4, atol=1e-4)
+        assert torch.isinf(got[r, ~scored]).all() and (got[r, ~scored] < 0).all()
+
+
 def test_bad_lossless_options_are_clear_errors(deep):
     _, model = deep
     eng = Engine(model, EngineConfig(kv_slots=200))
@@ -236,7 +251,7 @@ def test_sampled_lossless_tokens_are_distributed_as_full_depth_sampling(tmp_path
     build_tiny("llama", d, seed=3, **dict(_LLAMA, vocab_size=V, num_hidden_layers=6, tie_word_embeddings=False,
                                            bos_token_id=1, eos_token_id=2, pad_token_id=0))
     ref = load_model(d)[0]
-    model = load_model(d)[0].pack_for_inference()
+    model = load_model(d)[0].pack_for_inference(draft_vocab=8)  # drafts never propose ids 13..15
     prompt = [5, 9, 3, 12]
     sched = SkipSchedule.for_speedup(3, NEW, 6)
 

@@ -38,6 +38,9 @@ from .config import ModelConfig
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 
 
+DRAFT_VOCAB = 8192  # token ids a lossless draft scores (benchmarks/results/lossless.md measures the effect)
+
+
 class PackedLinear(nn.Module):
     """Inference-only linear layer on a weight packed once, in the forms this CPU runs fastest.
 
@@ -379,12 +382,16 @@ class Transformer(nn.Module):
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.kernels = None  # the compiled CPU kernels, set by pack_for_inference
         self.weights = "float32"  # the packed weights' dtype, set by pack_for_inference
+        self.draft_vocab = cfg.vocab_size  # token ids a lossless draft scores (see draft_logits)
+        self.draft_head: nn.Module | None = None
+        self._head_rows: torch.Tensor | None = None  # the dense LM head, for a draft's extra token ids
 
     @property
     def n_layers(self) -> int:
         return self.cfg.n_layers
 
-    def pack_for_inference(self, use_kernels: bool = True, weights: str | None = None) -> "Transformer":
+    def pack_for_inference(self, use_kernels: bool = True, weights: str | None = None,
+                           draft_vocab: int = DRAFT_VOCAB) -> "Transformer":
         """Swap every block linear and the LM head for ``PackedLinear``; give
         RMSNorm, RoPE, SwiGLU and decode attention the compiled kernels (no autograd).
 
@@ -393,7 +400,9 @@ class Transformer(nn.Module):
         only (see ``PackedLinear``), everything else stays as loaded. Only for generation:
         training keeps the plain modules. With ``use_kernels=False`` (or where
         they cannot be built) fp32 linears run on oneDNN and the rest on plain torch.
+        ``draft_vocab``: the token ids a lossless request's drafts score (``draft_logits``).
         """
+        self.set_draft_vocab(draft_vocab)
         dtype = self.lm_head.weight.dtype
         weights = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
         if weights not in WEIGHT_DTYPES:
@@ -411,6 +420,8 @@ class Transformer(nn.Module):
             for name in names:
                 setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))
         self.lm_head = PackedLinear(self.lm_head, k, weights)
+        if self.draft_head is not None:
+            self.draft_head = PackedLinear(self.draft_head, k, weights)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
@@ -419,6 +430,20 @@ class Transformer(nn.Module):
         self.kernels = k
         self.weights = weights
         return self
+
+    def set_draft_vocab(self, n: int) -> None:
+        """Score lossless drafts over the first ``n`` token ids only (all of them when ``n`` >= the vocabulary)."""
+        V = self.cfg.vocab_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"draft_vocab must be an integer >= 1, got {n!r}")
+        self.draft_vocab = min(n, V)
+        self.draft_head = None
+        if isinstance(self.lm_head, nn.Linear):  # before packing drops the dense weight
+            self._head_rows = self.lm_head.weight.detach()
+        if self.draft_vocab < V:
+            w = self._head_rows
+            self.draft_head = nn.Linear(w.shape[1], self.draft_vocab, bias=False, dtype=w.dtype)
+            self.draft_head.weight = nn.Parameter(w[:self.draft_vocab].clone(), requires_grad=False)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick per row of ``(B, vocab)`` logits, exactly ``logits.argmax(-1)``."""
@@ -487,13 +512,16 @@ class Transformer(nn.Module):
         return self.head(x[:, torch.tensor(rows)])[0]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, layer_rows: Sequence["LayerRows | None"],
-               pools: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+               pools: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               drafts: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """One decode position for each of ``R`` rows; returns logits ``(R, vocab)``.
 
         tokens, positions: ``(R,)``, each row at its own position.
         layer_rows[l]: which rows run layer ``l`` and their slots in its pool
         ``pools[l] = (keys, values)``, each ``(K, pool_slots, hd)``; None when
         no row runs it. Rows that skip a layer carry their hidden state.
+        drafts[r]: for a lossless request's draft, the extra token ids it scores
+        (``draft_logits``); None for a row that needs every logit.
         """
         x, rope = self.embed(tokens[:, None], positions[:, None])  # (R, 1, dim)
         runs = [l for l, lr in enumerate(layer_rows) if lr is not None]
@@ -511,7 +539,33 @@ class Transformer(nn.Module):
                 idx = lr.rows
                 r = None if rope is None else (rope[0].index_select(0, idx), rope[1].index_select(0, idx))
                 x = x.index_copy(0, idx, block.decode(x.index_select(0, idx), r, *pools[l], lr.slots, nxt))
-        return self.head(x)[:, 0]
+        rows = [r for r, d in enumerate(drafts or ()) if d is not None]
+        if not rows or self.draft_head is None:
+            return self.head(x)[:, 0]
+        h = self.final_hidden(x)
+        full = [r for r in range(x.shape[0]) if drafts[r] is None]
+        out = torch.empty(x.shape[0], self.cfg.vocab_size)
+        if full:
+            out[full] = self.lm_head(h[full]).float()[:, 0]
+        out[rows] = self.draft_logits(h[rows], [drafts[r] for r in rows])
+        return out
+
+    def draft_logits(self, h: torch.Tensor, extra: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Logits ``(R, vocab)`` of lossless drafts from final hidden states ``(R, 1, dim)``:
+        only the first ``draft_vocab`` token ids (BPE ids follow merge order, so
+        roughly frequency) and each row's ``extra`` ids (its prompt's rarer
+        tokens, e.g. a name to copy) are scored; every other logit is -inf.
+
+        The LM head is a large share of a skipped pass (SmolLM2: 28M of the 63M
+        weights a 3x draft reads), so a smaller draft head makes drafts cheaper.
+        Verification still scores every token at full depth, so output is unchanged.
+        """
+        out = torch.full((h.shape[0], self.cfg.vocab_size), float("-inf"))
+        out[:, :self.draft_vocab] = self.draft_head(h).float()[:, 0]
+        for r, ids in enumerate(extra):
+            if ids.numel():
+                out[r, ids] = (self._head_rows[ids].to(h.dtype) @ h[r, 0]).float()
+        return out
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -523,13 +577,17 @@ class Transformer(nn.Module):
             x = x + self.pos_emb(positions + self.cfg.pos_offset)
         return x, (self._rope(positions, x.dtype) if self.cfg.pos == "rope" else None)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm, output projection (OPT) and LM head: the layers that always run."""
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection (OPT): what the LM head reads."""
         if self.norm is not None:
             x = self.norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x).float()  # bf16 activations: sampling and argmax see fp32 logits
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection (OPT) and LM head: the layers that always run."""
+        return self.lm_head(self.final_hidden(x)).float()  # bf16 activations: sampling and argmax see fp32 logits
 
 
 def attention_mask(T: int, start: int, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:

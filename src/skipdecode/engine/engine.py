@@ -144,6 +144,8 @@ class Engine:
         st.layer_mode = (request.schedule.warmup_layers, request.schedule.mode)
         if request.lossless:
             st.spec = DraftStats()
+            n = self.model.draft_vocab  # drafts also score the prompt's own rarer tokens (names to copy)
+            st.draft_extra = torch.tensor(sorted({t for t in request.prompt_token_ids if t >= n}), dtype=torch.long)
         self.scheduler.add(st)  # raises if it can never fit
         s = request.sampling
         if not s.greedy:

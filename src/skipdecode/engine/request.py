@@ -106,6 +106,7 @@ class RequestState:
     draft_budgets: list[int] = field(default_factory=list)  # budget each draft's input ran at, this round
     round_size: int = 0  # drafts this round aims for (fewer if a draft is EOS)
     verifying: bool = False  # the round's drafts are done: the next step verifies them
+    draft_extra: object | None = None  # token ids beyond the draft vocabulary its drafts score (its prompt's)
     spec: "DraftStats | None" = None
 
     @property
