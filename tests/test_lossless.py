@@ -74,7 +74,8 @@ def test_greedy_lossless_is_token_identical_to_full_depth_in_mixed_continuous_ba
             spec.update(schedule=_sched(rng.choice([2, 3, 5]), new))
         specs[spec["request_id"]] = spec
         arrivals.setdefault(rng.randint(0, 25), []).append(spec)
-    eng = Engine(model, EngineConfig(max_num_seqs=6, max_prefill_tokens=64, prefill_chunk=32, kv_slots=1200))
+    eng = Engine(model, EngineConfig(max_num_seqs=6, max_prefill_tokens=64, prefill_chunk=32, kv_slots=1200,
+                                     draft_batch_limit=6))
     plans = []
     schedule = eng.scheduler.schedule
     eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
@@ -98,7 +99,8 @@ def test_greedy_lossless_is_token_identical_to_full_depth_in_mixed_continuous_ba
             assert out.active_layers == [list(range(L))] * (new - 1) + [[]], "every verified position ran all layers"
             assert out.decode_layer_speedup == 1.0
             drafted, accepted = drafted + out.draft.drafted, accepted + out.draft.accepted
-            assert len(out.draft.acceptance) == out.draft.drafted
+            judged = out.draft.acceptance
+            assert sum(ok for _, _, ok in judged) == out.draft.accepted and len(judged) <= out.draft.drafted
         else:
             alone = _alone(model, spec["prompt_token_ids"], new, schedule=spec.get("schedule"), ignore_eos=True)
             assert out.token_ids == alone.token_ids, rid
@@ -203,6 +205,34 @@ def test_draft_logits_are_the_full_heads_on_the_draft_vocabulary_and_the_prompts
         assert torch.isinf(got[r, ~scored]).all() and (got[r, ~scored] < 0).all()
 
 
+def test_lossless_requests_stop_drafting_while_the_batch_is_large_and_still_match_full_depth(deep):
+    """With more requests running than ``draft_batch_limit``, a lossless request
+    decodes at full depth (no drafts); it drafts again once the batch is small."""
+    ref, model = deep
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, VOCAB, (8,), generator=g).tolist() for _ in range(3)]
+    eng = Engine(model, EngineConfig(kv_slots=600, draft_batch_limit=1))
+    eng.add_request(prompts[0], schedule=_sched(3, 24), max_new_tokens=24, lossless=True, request_id="long",
+                    ignore_eos=True)
+    for r, p in enumerate(prompts[1:]):
+        eng.add_request(p, max_new_tokens=6, request_id=f"short{r}", ignore_eos=True)
+    rounds = []
+    done = {}
+    while eng.has_unfinished():
+        running = len(eng.scheduler.running)
+        st = eng.requests.get("long")
+        drafting = st is not None and st.round_size > 0
+        rounds.append((running, drafting))
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert not any(drafting for running, drafting in rounds if running > 1), "no drafts beside batch-mates"
+    assert any(drafting for _, drafting in rounds), "it drafts once alone"
+    out = done["long"]
+    assert out.token_ids == naive_generate(ref, prompts[0], SkipSchedule.full_depth(L), 24)
+    assert out.draft.verify_layers >= L * 5 and out.draft.drafted > 0
+
+
 def test_bad_lossless_options_are_clear_errors(deep):
     _, model = deep
     eng = Engine(model, EngineConfig(kv_slots=200))
@@ -214,6 +244,8 @@ def test_bad_lossless_options_are_clear_errors(deep):
     with pytest.raises(EngineError, match="lossless must be true or false"):
         eng.make_request([5, 6], max_new_tokens=8, lossless="yes")
     shared = Engine(model, EngineConfig(kv_slots=200, policy="shared"))
+    with pytest.raises(EngineError, match="draft_batch_limit must be an integer"):
+        Engine(model, EngineConfig(kv_slots=200, draft_batch_limit=-1))
     with pytest.raises(EngineError, match="lossless requests need the per_row policy"):
         shared.add_request([5, 6], schedule=_sched(2, 8), max_new_tokens=8, lossless=True)
 
@@ -269,7 +301,8 @@ def test_sampled_lossless_tokens_are_distributed_as_full_depth_sampling(tmp_path
         m2 = torch.einsum("a,ab,abc->c", p0, p1, p2)
 
     def run(**kw) -> torch.Tensor:
-        eng = Engine(model, EngineConfig(max_num_seqs=N, max_prefill_tokens=N * len(prompt), kv_slots=N * 8))
+        eng = Engine(model, EngineConfig(max_num_seqs=N, max_prefill_tokens=N * len(prompt), kv_slots=N * 8,
+                                         draft_batch_limit=N))
         for s in range(N):
             eng.add_request(prompt, max_new_tokens=NEW, ignore_eos=True, request_id=str(s),
                             sampling=engine_mod.SamplingParams(temperature=1.0, seed=s), **kw)

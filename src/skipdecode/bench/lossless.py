@@ -16,7 +16,8 @@ depth's, so both generate the same tokens and tokens/s compare directly.
 - **serving**: the engine under Poisson arrivals (``bench.engine.serve``),
   full depth against the chosen lossless setting; sustainable throughput is
   the best tokens/s among rates whose p99 time per output token is <= 100 ms.
-- **acceptance** (where skipping loses): every draft of the batch-1 runs with
+- **acceptance** (where skipping loses): every draft full depth judged (each
+  accepted one and the first rejected one of a round) in the batch-1 runs, with
   its generated position, the budget of the pass that drafted it, and whether
   full depth's token there is *copied* (its id occurs in the prompt's meaning
   representation, e.g. a name) or not.
@@ -116,7 +117,7 @@ def _hf_peer(path: Path, tokenizer, ids: list[list[int]], new_tokens: int, exits
 def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = RESULTS,
                        dtypes: tuple[str, ...] = ("float32", "int8"), n_prompts: int | None = None,
                        max_new_tokens: int = 48, speedups: tuple[float, ...] = (2.0, 3.0, 5.0),
-                       draft_tokens: tuple[int, ...] = (2, 4, 6), repeats: int | None = None,
+                       draft_tokens: tuple[int, ...] = (2, 4, 6, 8), repeats: int | None = None,
                        hf_exits: tuple[int, ...] = (8, 15, 22)) -> dict:
     from ..data import load_task, parse_mr
 
@@ -172,7 +173,7 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 if k == max(draft_tokens):  # the acceptance study: drafts reach furthest at the largest K
                     for r, o in enumerate(outs):
                         records += [(sp, pos, budget, ok, o.token_ids[pos] in mr_ids[r])
-                                    for pos, budget, ok in o.draft.acceptance]
+                                    for pos, budget, ok in o.draft.acceptance if pos < len(o.token_ids)]
         base = rows["1x"]["decode_tokens_per_s"]
         for r in rows.values():
             r["vs_1x"] = round(r["decode_tokens_per_s"] / base, 3)
@@ -180,18 +181,22 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
         best = max((k for k in rows if rows[k]["kind"] == "lossless"), key=lambda k: rows[k]["decode_tokens_per_s"])
         choice = {"row": best, "target": rows[best]["target"], "draft_tokens": rows[best]["draft_tokens"]}
 
-        # batch 8: whole-generation tokens/s, full depth vs the chosen lossless setting
-        batch8 = {}
-        for name, kw in (("1x", {}), (best, dict(speedup=choice["target"], lossless=True,
-                                                  draft_tokens=choice["draft_tokens"]))):
-            prompts = [it.prompt for it in items[:8]]
-            t, outs = _best(lambda: llm.generate(prompts, max_new_tokens=max_new_tokens, **kw), repeats)
-            n = sum(o.new_tokens for o in outs)
-            batch8[name] = {"tokens": n, "seconds": round(t, 3), "tokens_per_s": round(n / t, 2),
-                            "token_ids": [o.token_ids for o in outs]}
-        same8 = sum(a == b for a, b in zip(batch8["1x"].pop("token_ids"), batch8[best].pop("token_ids")))
-        batch8[best]["vs_1x"] = round(batch8[best]["tokens_per_s"] / batch8["1x"]["tokens_per_s"], 3)
-        batch8[best]["identical_to_full_depth"] = same8
+        # batches of 4 and 8: whole-generation tokens/s, full depth vs the chosen lossless setting
+        # (lossless requests draft only while at most EngineConfig.draft_batch_limit requests run)
+        batches = {}
+        lossless_kw = dict(speedup=choice["target"], lossless=True, draft_tokens=choice["draft_tokens"])
+        for bs in (4, 8):
+            prompts = [it.prompt for it in items[:bs]]
+            res = {}
+            for name, kw in (("1x", {}), (best, lossless_kw)):
+                t, outs = _best(lambda: llm.generate(prompts, max_new_tokens=max_new_tokens, **kw), repeats)
+                n = sum(o.new_tokens for o in outs)
+                res[name] = {"tokens": n, "seconds": round(t, 3), "tokens_per_s": round(n / t, 2),
+                             "token_ids": [o.token_ids for o in outs]}
+            same = sum(a == b for a, b in zip(res["1x"].pop("token_ids"), res[best].pop("token_ids")))
+            res[best]["vs_1x"] = round(res[best]["tokens_per_s"] / res["1x"]["tokens_per_s"], 3)
+            res[best]["identical_to_full_depth"] = same
+            batches[str(bs)] = res
 
         # serving: Poisson arrivals, full depth vs lossless
         serving = {}
@@ -223,7 +228,7 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             best_hf = max(peer.values(), key=lambda r: r["decode_tokens_per_s"])
             choice["vs_best_transformers"] = round(rows[best]["decode_tokens_per_s"] / best_hf["decode_tokens_per_s"],
                                                    3)
-        report["dtypes"][dtype] = {"batch1": rows, "choice": choice, "batch8": batch8, "serving": serving,
+        report["dtypes"][dtype] = {"batch1": rows, "choice": choice, "batches": batches, "serving": serving,
                                    "transformers": peer, "acceptance": acceptance_tables(records)}
         del llm
 
@@ -259,11 +264,14 @@ def render_markdown(rep: dict) -> str:
         c = d["choice"]
         lines += ["", f"Best lossless setting here: **{c['row']}** ({d['batch1'][c['row']]['vs_1x']:.2f}x full depth"
                   + (f", {c['vs_best_transformers']:.2f}x the best transformers row" if "vs_best_transformers" in c
-                     else "") + ").", "", "### Batch 8: tokens/s (whole generation)", "",
-                  "| row | tok/s | vs 1x | identical to 1x |", "|---|---|---|---|"]
-        for name, r in d["batch8"].items():
-            ident = f"{r['identical_to_full_depth']}/8" if "identical_to_full_depth" in r else ""
-            lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r.get('vs_1x', 1.0):.2f}x | {ident} |")
+                     else "") + ").", "", "### Batches of 4 and 8: tokens/s (whole generation, prefill included)", "",
+                  "Lossless requests draft only while at most 4 requests run (`EngineConfig.draft_batch_limit`); "
+                  "beyond that they decode at full depth.", "",
+                  "| batch | row | tok/s | vs 1x | identical to 1x |", "|---|---|---|---|---|"]
+        for bs, res in d["batches"].items():
+            for name, r in res.items():
+                ident = f"{r['identical_to_full_depth']}/{bs}" if "identical_to_full_depth" in r else ""
+                lines.append(f"| {bs} | {name} | {r['tokens_per_s']:.1f} | {r.get('vs_1x', 1.0):.2f}x | {ident} |")
         if d["serving"]:
             lines += ["", f"### Serving engine, Poisson arrivals (sustainable: p99 TPOT <= {rep['tpot_limit_ms']:g} ms)",
                       "", "| row | rate (req/s) | tok/s | TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|"]

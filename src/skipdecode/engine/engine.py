@@ -51,6 +51,9 @@ from .scheduler import Scheduler, SchedulerConfig
 class EngineConfig(SchedulerConfig):
     kv_slots: int | list[int] = 8192  # KV pool slots per layer (one int for every layer, or a list)
     prefix_cache_blocks: int = 256  # blocks of 16 prompt tokens whose keys/values are reused (0: off)
+    # lossless requests draft only while at most this many requests run; beyond it a step is
+    # compute-bound and verifying drafts costs more than it saves, so they decode at full depth
+    draft_batch_limit: int = 4
 
 
 class Engine:
@@ -68,6 +71,9 @@ class Engine:
         pcb = self.config.prefix_cache_blocks
         if isinstance(pcb, bool) or not isinstance(pcb, int) or pcb < 0:
             raise EngineError(f"prefix_cache_blocks must be an integer >= 0, got {pcb!r}")
+        dbl = self.config.draft_batch_limit
+        if isinstance(dbl, bool) or not isinstance(dbl, int) or dbl < 0:
+            raise EngineError(f"draft_batch_limit must be an integer >= 0, got {dbl!r}")
         self.prefix_cache = PrefixCache(pcb) if pcb else None
         self.scheduler = Scheduler(self.config, self.pool, L,
                                    prefix_lookup=self.prefix_cache.match if self.prefix_cache is not None else None)
@@ -194,13 +200,14 @@ class Engine:
         if plan.decode:
             logits = self.runner.decode(plan)
             for st, b, row in zip(plan.decode, plan.budgets, logits):
-                if st.request.lossless:
+                if st.round_size:  # a lossless request's draft
                     st.draft_budgets.append(b)
                     drafted.append((st, row))
                 else:
                     st.budgets.append(b)
                     ready.append((st, row))
-            self.counters["decode_steps"] += 1
+                    if st.spec is not None:  # a lossless request's plain full-depth step
+                        st.spec.verify_layers += b
             self.counters["decode_rows"] += len(plan.decode)
         t1 = time.perf_counter()
         for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
@@ -239,12 +246,14 @@ class Engine:
     # -- lossless rounds ------------------------------------------------------------------
     def _begin_round(self, st: RequestState) -> None:
         """Start drafting after the last verified token: as many drafts as the
-        request still has room for (none left: verify its last token alone,
-        which is one full-depth step)."""
+        request still has room for. With no room, or more requests running than
+        ``draft_batch_limit``, the round has no drafts: the request's next step
+        is a plain full-depth decode row (a verified position, like 1x)."""
         room = st.request.max_new_tokens - len(st.token_ids) - 1  # a round yields up to drafts + 1 tokens
         st.drafts, st.draft_probs, st.draft_budgets = [], [], []
-        st.round_size = max(0, min(st.request.draft_tokens, room))
-        st.verifying = st.round_size == 0
+        busy = len(self.scheduler.running) > self.config.draft_batch_limit
+        st.round_size = 0 if busy else max(0, min(st.request.draft_tokens, room))
+        st.verifying = False
 
     def _draft(self, drafted: list[tuple[RequestState, torch.Tensor]]) -> None:
         """Take each lossless row's next draft from its skipped pass's logits."""
@@ -301,7 +310,8 @@ class Engine:
         spec.draft_layers += sum(st.draft_budgets)
         spec.verify_layers += L * (k + 1)
         first = len(st.token_ids)  # generated position of the first draft
-        spec.acceptance += [(first + j, b, j < m) for j, b in enumerate(st.draft_budgets[:k])]
+        # the drafts full depth judged: those it accepted and the first it rejected (later ones never count)
+        spec.acceptance += [(first + j, b, j < m) for j, b in enumerate(st.draft_budgets[:min(m + 1, k)])]
         self.counters["drafted_tokens"] += k
         self.counters["accepted_tokens"] += m
         self.counters["verify_rounds"] += 1

@@ -123,7 +123,10 @@ class RequestState:
         return len(self.token_ids) - 1 + len(self.drafts)
 
     def next_own_budget(self) -> int:
-        """The budget its own schedule gives the token it feeds next."""
+        """The budget its own schedule gives the token it feeds next (a lossless
+        request between drafting rounds feeds it at full depth)."""
+        if self.request.lossless and not self.round_size:
+            return self.request.schedule.num_layers
         return self.request.schedule.budget(self.fed_index)
 
     def active_layers(self, num_layers: int) -> list[list[int]]:
@@ -139,8 +142,9 @@ class RequestState:
 @dataclass
 class DraftStats:
     """What a lossless request's drafting achieved. ``acceptance`` holds, per
-    drafted token, (its generated position, the budget of the pass that drafted
-    it, whether full depth agreed): where skipping loses, measured."""
+    draft full depth judged (each accepted one and the first rejected one of a
+    round), its generated position, the budget of the pass that drafted it and
+    whether full depth agreed: where skipping loses, measured."""
 
     drafted: int = 0
     accepted: int = 0

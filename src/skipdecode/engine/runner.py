@@ -69,5 +69,5 @@ class ModelRunner:
             else:
                 ix = torch.tensor(idx)
                 layer_rows.append(LayerRows(ix, torch.stack([starts[ix, l], lens[ix]], 1)))
-        drafts = [st.draft_extra if st.request.lossless else None for st in rows]
+        drafts = [st.draft_extra if st.round_size else None for st in rows]
         return self.model.decode(tokens, positions, layer_rows, self._pools, drafts)
