@@ -11,8 +11,10 @@ depth's, so both generate the same tokens and tokens/s compare directly.
   token to the last (the prompt excluded), the best of ``repeats`` runs;
   decode tokens/s = tokens after the first / decode time, over all prompts.
   Rows: full depth, plain skipping at each target, lossless at each target
-  and draft length K. The K with the best tokens/s is reported as the choice.
-- **batch 8**: the prompts in batches of 8, whole-generation tokens/s.
+  and draft length K. The setting with the best tokens/s is the choice (made
+  on these same prompts: a speed choice, not a quality one).
+- **batches of 4 and 8**: whole-generation tokens/s (prefill included),
+  full depth against the chosen lossless setting.
 - **serving**: the engine under Poisson arrivals (``bench.engine.serve``),
   full depth against the chosen lossless setting; sustainable throughput is
   the best tokens/s among rates whose p99 time per output token is <= 100 ms.
