@@ -55,6 +55,31 @@ def test_generate_lossless_gives_full_depth_tokens_and_reports_its_drafts(tiny_c
     assert "--draft-tokens applies to --lossless generation only" in capsys.readouterr().err
 
 
+def test_replay_takes_lossless_requests_beside_plain_ones(tiny_cli_dir, tmp_path, capsys):
+    f = tmp_path / "reqs.jsonl"
+    f.write_text(json.dumps({"prompt": PROMPTS[0], "speedup": 2, "lossless": True, "draft_tokens": 3}) + "\n"
+                 + json.dumps({"prompt": PROMPTS[1], "speedup": 2, "arrive_at_step": 1}) + "\n")
+    out, _ = run(capsys, "generate", "--model", str(tiny_cli_dir), "--requests", str(f), "--json",
+                 "--max-new-tokens", str(NEW))
+    a, b = [json.loads(line) for line in out.splitlines()]
+    (full,) = run_json(capsys, tiny_cli_dir, PROMPTS[0])
+    assert a["token_ids"] == full["token_ids"] and a["draft"]["drafted_tokens"] > 0
+    assert "draft" not in b
+    f.write_text(json.dumps({"prompt": PROMPTS[0], "lossless": "yes"}) + "\n")
+    assert main(["generate", "--model", str(tiny_cli_dir), "--requests", str(f)]) != 0
+    assert "'lossless' has the wrong type" in capsys.readouterr().err
+
+
+def test_lossless_without_a_speedup_drafts_at_the_default_target(tiny_cli_dir):
+    from skipdecode import LLM
+
+    llm = LLM.load(tiny_cli_dir)
+    (full,) = llm.generate(PROMPTS[0], max_new_tokens=NEW)
+    (o,) = llm.generate(PROMPTS[0], max_new_tokens=NEW, lossless=True)
+    assert o.token_ids == full.token_ids
+    assert o.draft["draft_layers"] < o.draft["drafted_tokens"] * L, "drafts skipped layers"
+
+
 def test_generate_full_depth_reports_1x(tiny_cli_dir, capsys):
     (o,) = run_json(capsys, tiny_cli_dir, PROMPTS[0])
     assert o["decode_layer_speedup"] == 1.0

@@ -19,7 +19,7 @@ import torch
 
 from .checkpoint import load_model
 from .config import ModelError
-from .engine import Engine, EngineConfig, Request, SamplingParams
+from .engine import DEFAULT_LOSSLESS_SPEEDUP, Engine, EngineConfig, Request, SamplingParams
 from .errors import SkipDecodeError
 from .generate import GenerationError, Sampling, generate_tokens
 from .tokenization import encode_prompt, has_tokenizer, load_tokenizer
@@ -133,6 +133,14 @@ class LLM:
         target is solved in the same shape (the default for other models)."""
         return float(self.training.get("config", {}).get("decay") or DEFAULT_DECAY)
 
+    def _draft_speedup(self, lossless: bool, speedup: float | None, schedule) -> float | None:
+        """A lossless request that names no schedule drafts at the measured default
+        target (drafting at full depth would only add work), capped by what the model can skip."""
+        if not lossless or speedup is not None or schedule is not None:
+            return speedup
+        w = 1  # the default warm-up layers: the deepest skip keeps warm-up + the last layer
+        return min(DEFAULT_LOSSLESS_SPEEDUP, self.num_layers / (w + 1))
+
     def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, system)
 
@@ -168,6 +176,7 @@ class LLM:
             raise GenerationError("prompts must be a string or a list of strings")
         if isinstance(stop, str):
             stop = [stop]
+        speedup = self._draft_speedup(lossless, speedup, schedule)
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = [self.encode(p, chat, system) for p in prompts]
         rows, _ = generate_tokens(
@@ -196,6 +205,7 @@ class LLM:
         """A validated engine request from text (or token ids) and the options of ``generate``."""
         if isinstance(schedule, dict):
             schedule = SkipSchedule.from_dict(schedule, self.num_layers)
+        speedup = self._draft_speedup(lossless, speedup, schedule)
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat, system)
         return engine.make_request(ids, sched, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),

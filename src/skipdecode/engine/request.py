@@ -20,7 +20,8 @@ class EngineDeadError(RuntimeError):
 
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
-DEFAULT_DRAFT_TOKENS = 4  # drafts per lossless round (benchmarks/results/lossless.md measures 1..8)
+DEFAULT_DRAFT_TOKENS = 4  # drafts per lossless round (benchmarks/results/lossless.md measures 2..8)
+DEFAULT_LOSSLESS_SPEEDUP = 5.0  # the draft schedule when a lossless request names none (same measurement)
 MAX_DRAFT_TOKENS = 16
 
 
