@@ -22,7 +22,9 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
@@ -35,8 +37,31 @@ COLD_BYTES = 96e6  # more than any last-level cache of a 2-32 core CPU slice: we
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
+_SINGLE_ROW_FORMS = threading.local()  # set while a call must compute each row as a one-row call would
+
+
+@contextmanager
+def single_row_forms():
+    """Run every kernel in the form chosen for one row, whatever the row count.
+
+    Each form computes a row the same way for any number of rows, but the
+    forms (compiled panels, oneDNN, torch's int8 GEMM) round differently, and
+    the autotuner picks them per row-count bucket. A lossless verification
+    (several positions of one request in one call) runs here, so each of its
+    positions gets exactly the logits a one-row decode step gives: greedy
+    output is full depth's to the bit, in every weight dtype."""
+    prev = getattr(_SINGLE_ROW_FORMS, "on", False)
+    _SINGLE_ROW_FORMS.on = True
+    try:
+        yield
+    finally:
+        _SINGLE_ROW_FORMS.on = prev
+
+
 def bucket(rows: int) -> int:
     """Index of the bucket a call with ``rows`` rows belongs to."""
+    if getattr(_SINGLE_ROW_FORMS, "on", False):
+        return 0
     for i, b in enumerate(BUCKETS):
         if rows <= b:
             return i

@@ -23,6 +23,7 @@ Checked against transformers' own modules (logits to 1e-4) in
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -206,13 +207,11 @@ class LayerRows:
 class PrefillChunk:
     """One request's prompt chunk in a packed prefill: ``tokens`` at positions
     ``start..start+len-1``, whose keys/values ``cache.update`` writes (as in
-    ``Block.attention``). ``all_logits``: logits for every position, not just
-    the last (a lossless request's drafts, verified at full depth)."""
+    ``Block.attention``)."""
 
     tokens: Sequence[int]
     start: int
     cache: Any
-    all_logits: bool = False
 
 
 class Block(nn.Module):
@@ -498,18 +497,14 @@ class Transformer(nn.Module):
         """Prompt chunks of several requests at full depth in one pass, packed
         into one row so every linear layer runs one GEMM over all their tokens
         (a chunk of a few dozen tokens alone leaves most of the GEMM's speed
-        unused); returns the logits ``(rows, vocab)`` of each chunk's last token,
-        or of each of its tokens when the chunk asks for ``all_logits``, in chunk order."""
+        unused); returns the logits ``(chunks, vocab)`` of each chunk's last token."""
         tokens = torch.tensor([[t for c in chunks for t in c.tokens]])
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])[None]
         x, rope = self.embed(tokens, positions)
         for layer, block in enumerate(self.layers):
             x = block._residual(x, lambda h: block.attention_chunks(h, rope, chunks, layer))
-        rows, lo = [], 0
-        for c in chunks:
-            lo += len(c.tokens)
-            rows += range(lo - len(c.tokens), lo) if c.all_logits else [lo - 1]
-        return self.head(x[:, torch.tensor(rows)])[0]
+        last = torch.tensor(list(itertools.accumulate(len(c.tokens) for c in chunks))) - 1
+        return self.head(x[:, last])[0]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, layer_rows: Sequence["LayerRows | None"],
                pools: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -7,8 +7,8 @@ returns what each request produced.
 
 Lossless requests (self-speculative decoding, batched): the request's skip
 schedule *drafts* up to ``draft_tokens`` tokens, one decode row per step like
-any other request, then one full-depth pass over its last verified token and
-the drafts, packed beside the prompt chunks, verifies them. Greedy keeps the
+any other request, then full depth verifies its last verified token and the
+drafts, as consecutive rows of the next decode pass. Greedy keeps the
 longest prefix of drafts that full depth agrees with, plus full depth's own
 token at the first disagreement; sampled requests use the speculative-sampling
 rule (Leviathan et al. 2023; Chen et al. 2023), so the output is distributed
@@ -197,9 +197,14 @@ class Engine:
         ready: list[tuple[RequestState, torch.Tensor]] = []  # (request, logits of its next token)
         drafted: list[tuple[RequestState, torch.Tensor]] = []  # (lossless request, logits of its next draft)
         t0 = time.perf_counter()
-        if plan.decode:
+        rounds: list[torch.Tensor] = []  # per verified round, full depth's logits of each of its positions
+        if plan.decode or plan.verify:
             logits = self.runner.decode(plan)
-            for st, b, row in zip(plan.decode, plan.budgets, logits):
+            lo = 0
+            for st in plan.verify:
+                rounds.append(logits[lo:lo + len(st.drafts) + 1])
+                lo += len(st.drafts) + 1
+            for st, b, row in zip(plan.decode, plan.budgets, logits[lo:]):
                 if st.round_size:  # a lossless request's draft
                     st.draft_budgets.append(b)
                     drafted.append((st, row))
@@ -208,13 +213,14 @@ class Engine:
                     ready.append((st, row))
                     if st.spec is not None:  # a lossless request's plain full-depth step
                         st.spec.verify_layers += b
+            self.counters["decode_steps"] += 1
             self.counters["decode_rows"] += len(plan.decode)
         t1 = time.perf_counter()
         for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
             self.counters["prompt_tokens_cached"] += st.cached_prefix
             self.prefix_cache.load(st.request.prompt_token_ids, st.cached_prefix, self.pool.k, self.pool.v,
                                    st.reservation.starts)
-        lasts, rounds = self.runner.prefill(plan.prefill, plan.verify) if plan.prefill or plan.verify else ([], [])
+        lasts = self.runner.prefill(plan.prefill) if plan.prefill else []
         for (st, start, end), last in zip(plan.prefill, lasts):
             st.prefilled = end
             self.counters["prompt_tokens_computed"] += end - start

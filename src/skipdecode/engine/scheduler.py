@@ -13,7 +13,8 @@ step it
    prompt's start, so a prompt's numerics never depend on its batch-mates;
 3. gives every decoding row a budget and orders rows by it, deepest first;
 4. lists the lossless requests whose drafts are ready: the runner verifies
-   them at full depth in the packed pass of the prompt chunks.
+   each round's positions at full depth as rows of the decode pass, ahead
+   of the decoding rows.
 
 Budgets, two policies:
 
@@ -66,10 +67,11 @@ class StepPlan:
     admitted: list[RequestState] = field(default_factory=list)
     cached: list[RequestState] = field(default_factory=list)  # prompt prefixes to copy from the prefix cache
     prefill: list[tuple[RequestState, int, int]] = field(default_factory=list)  # (request, start, end)
-    verify: list[RequestState] = field(default_factory=list)  # lossless rounds to verify at full depth
+    verify: list[RequestState] = field(default_factory=list)  # lossless rounds to verify: rows before ``decode``
     decode: list[RequestState] = field(default_factory=list)  # deepest budget first
     budgets: list[int] = field(default_factory=list)  # per decode row
-    # per layer: (n, None) = rows 0..n-1 run it; (n, indices) = exactly those rows; n == 0: no row
+    # per layer, over the verifying rows then the decode rows: (n, None) = rows 0..n-1 run it;
+    # (n, indices) = exactly those rows; n == 0: no row
     layers: list[tuple[int, list[int] | None]] = field(default_factory=list)
 
     @property
@@ -187,7 +189,12 @@ class Scheduler:
             order = sorted(range(len(rows)), key=lambda r: -budgets[r])  # stable: ties keep arrival order
             plan.decode = [rows[r] for r in order]
             plan.budgets = [budgets[r] for r in order]
-            plan.layers = self._layer_rows(plan.budgets, [kinds[r] for r in order])
+            kinds = [kinds[r] for r in order]
+        else:
+            kinds = []
+        if rows or plan.verify:  # verifying rows (every position of a round) run every layer and come first
+            n = sum(len(st.drafts) + 1 for st in plan.verify)
+            plan.layers = self._layer_rows([self.num_layers] * n + plan.budgets, [("skip", 0)] * n + kinds)
         return plan
 
     def _layer_rows(self, budgets: list[int], kinds: list[tuple[str, int]]) -> list[tuple[int, list[int] | None]]:
