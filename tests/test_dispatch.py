@@ -24,6 +24,35 @@ def test_a_call_uses_the_first_bucket_that_holds_its_rows():
         [0, 1, 2, 2, 3, 3, 4, 5, 6, 7, 7, 7]
 
 
+def test_single_row_forms_put_every_call_in_the_first_bucket_and_nest():
+    with dispatch.single_row_forms():
+        assert [dispatch.bucket(m) for m in (1, 5, 4096)] == [0, 0, 0]
+        with dispatch.single_row_forms():
+            assert dispatch.bucket(9) == 0
+        assert dispatch.bucket(9) == 0
+    assert dispatch.bucket(9) == 4
+
+
+@needs_kernels
+def test_rows_in_single_row_forms_round_like_one_row_calls_where_forms_differ():
+    """An int8 linear whose buckets pick different forms: five rows at once run
+    torch's int8 GEMM (bf16 activations) and land about 1e-2 from one row at a
+    time on the panels (fp32 activations); under ``single_row_forms`` they run
+    the panels too and differ only by fp32 summation order (what a lossless
+    verification relies on to reproduce 1x's greedy tokens)."""
+    lin = _linear(n_in=64)
+    p = PackedLinear(lin, kernels.load(), "int8", keep_panels=True)
+    p.plan = ("hand",) + ("int8mm",) * (len(dispatch.BUCKETS) - 1)
+    p.qweight, p.scales = quantize_int8(lin.weight.detach())  # torch's int8 GEMM for every larger bucket
+    x = torch.randn(5, 1, 64)
+    alone = torch.cat([p(x[r:r + 1]) for r in range(5)])
+    mixed = (p(x) - alone).abs().max()
+    with dispatch.single_row_forms():
+        single = (p(x) - alone).abs().max()
+    assert single <= 1e-5 * alone.abs().max()
+    assert mixed > 100 * single and mixed > 1e-3
+
+
 def test_the_faster_form_wins_each_bucket_and_a_tie_keeps_the_first():
     n = len(dispatch.BUCKETS)
     hand = [1.0] * n

@@ -44,12 +44,13 @@ _SINGLE_ROW_FORMS = threading.local()  # set while a call must compute each row 
 def single_row_forms():
     """Run every kernel in the form chosen for one row, whatever the row count.
 
-    Each form computes a row the same way for any number of rows, but the
-    forms (compiled panels, oneDNN, torch's int8 GEMM) round differently, and
-    the autotuner picks them per row-count bucket. A lossless verification
-    (several positions of one request in one call) runs here, so each of its
-    positions gets exactly the logits a one-row decode step gives: greedy
-    output is full depth's to the bit, in every weight dtype."""
+    The autotuner picks forms (compiled panels, oneDNN, torch's int8 GEMM) per
+    row-count bucket, and they compute at different precisions: torch's int8
+    GEMM rounds activations to bf16, the panels keep fp32. A lossless
+    verification (several positions of one request in one call) runs here, so
+    each position is computed as a one-row decode step computes it, up to fp32
+    summation order (about 1e-6 relative; tests/test_dispatch.py), which keeps
+    greedy output equal to 1x's in int8 as in fp32 (benchmarks/results/lossless.md)."""
     prev = getattr(_SINGLE_ROW_FORMS, "on", False)
     _SINGLE_ROW_FORMS.on = True
     try:

@@ -42,7 +42,8 @@ class ModelRunner:
         overwrite every layer's keys/values of those positions, so each accepted
         position holds all layers; the slots of rejected drafts lie past the
         request's length and are rewritten before any read. They run in the
-        kernel forms of a one-row step, so each gets exactly 1x's logits.
+        kernel forms of a one-row step (``dispatch.single_row_forms``), so each
+        gets 1x's logits up to fp32 summation order.
         """
         rows: list[tuple[RequestState, int, int]] = []  # (request, token fed, its position)
         for st in plan.verify:
