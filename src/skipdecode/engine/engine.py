@@ -3,7 +3,9 @@ monotone schedule.
 
 ``Engine.step()`` admits waiting requests, runs prompt chunks and one decode
 position for every generating request (each on its own layers), samples, and
-returns what each request produced.
+returns what each request produced. ``LLM.generate`` is a client (admit all,
+step to the end); ``AsyncEngine`` runs the same loop in a thread for a server
+and streams each request's outputs to an ``async for``.
 
 Lossless requests (self-speculative decoding, batched): the request's skip
 schedule *drafts* up to ``draft_tokens`` tokens, one decode row per step like
@@ -20,9 +22,9 @@ writes them all). So a round's drafts may start again from any budget; within
 a round the budgets never increase, so a draft reads only keys/values that a
 verified position or an earlier draft of the round wrote. A lossless request
 reserves full depth in the pool; the slots of rejected drafts lie past its
-length and are rewritten before anything reads them. ``LLM.generate`` is a client (admit all,
-step to the end); ``AsyncEngine`` runs the same loop in a thread for a server
-and streams each request's outputs to an ``async for``.
+length and are rewritten before anything reads them. While more requests run
+than ``draft_batch_limit``, a step is compute-bound and drafting would cost
+more than it saves: such a request then decodes at full depth, like 1x.
 """
 
 from __future__ import annotations
