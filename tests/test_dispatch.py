@@ -247,3 +247,26 @@ def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
     assert rel < 0.05, rel
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     assert agree >= 0.75, agree
+
+
+@needs_kernels
+def test_bf16_generates_on_a_cpu_without_onednn_bf16_with_the_autotuner_on(tiny_cli_dir, tmp_path):
+    """oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, as on an AVX2-only AMD EPYC):
+    its bf16 reorder raises there, so neither packing nor the autotuner may call it;
+    bf16 weights run on the compiled panels and generate the same tokens as fp32
+    would within bf16 rounding (here: the run completes and reports its path)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import json, torch; from skipdecode import LLM; from skipdecode.dispatch import cpu_features\n"
+        f"llm = LLM.load({str(tiny_cli_dir)!r}, dtype='bfloat16')\n"
+        "o = llm.generate('Describe a pub.', max_new_tokens=6, speedup=2)[0]\n"
+        "print(json.dumps({'onednn_bf16': cpu_features()['onednn_bf16'], 'tokens': len(o.token_ids),\n"
+        "                  'forms': sorted(set(llm.model.layers[0].wqkv.plan))}))\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", SKIPDECODE_AUTOTUNE="1", SKIPDECODE_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"onednn_bf16": False, "tokens": 6, "forms": ["hand"]}

@@ -122,7 +122,8 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
                weights: str = "float32") -> dict[str, list[float]]:
     """Seconds per call of each form at every bucket's row count, on a random weight of this shape:
     fp32 activations in and out, the weight in ``weights`` (float32, bfloat16 or int8). A form
-    that cannot take this shape (torch's int8 GEMM, ``int8mm_takes``) is timed as infinitely slow."""
+    that cannot take this shape (torch's int8 GEMM, ``int8mm_takes``) or does not run on this CPU
+    (oneDNN's bf16 without AVX-512) is timed as infinitely slow."""
     from . import kernels
     from .model import quantize_int8
 
@@ -142,7 +143,9 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
         dt = torch.bfloat16 if weights == "bfloat16" else torch.float32
         w = w.to(dt)
         packed = [(kernels.pack_weight(w), None) for _ in range(copies)]
-        library = [torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32) for _ in range(copies)]
+        # oneDNN's bf16 reorder raises on CPUs without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+        has_lib = weights == "float32" or cpu_features()["onednn_bf16"]
+        library = [torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32) for _ in range(copies)] if has_lib else None
         run_lib = lambda x, wl: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
             x.to(dt), wl, None, "none", [], "").float()
     res: dict[str, list[float]] = {hand: [], lib: []}
@@ -227,6 +230,8 @@ def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = 
         return tuple(False for _ in BUCKETS)
     if weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
         return tuple(True for _ in BUCKETS)  # the panels are the only int8 form of some of them
+    if weights == "bfloat16" and not cpu_features()["onednn_bf16"]:
+        return tuple(True for _ in BUCKETS)  # no oneDNN bf16 on this CPU (AVX2 only): the panels are the bf16 form
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return tuple(f == "hand" for f in default_plan(True, weights))
     hand, lib = forms(weights)
