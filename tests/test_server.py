@@ -143,6 +143,9 @@ def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage
             else:
                 assert ch.usage.model_extra["drafted_tokens"] == u["drafted_tokens"]
         assert text == want.text
+    m = server.metrics()
+    assert m["skipdecode_lossless_draft_tokens_total"] >= m["skipdecode_lossless_accepted_tokens_total"] >= 0
+    assert m["skipdecode_lossless_draft_tokens_total"] >= u["drafted_tokens"] > 0
     cut = want.text[3:5]
     if cut.strip():
         r = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=cut,

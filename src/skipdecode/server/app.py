@@ -79,6 +79,9 @@ class Metrics:
                              buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.speedup = Histogram("skipdecode_decode_layer_speedup", "decode-layer speedup per request", registry=r,
                                  buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6))
+        self.drafted = Counter("skipdecode_lossless_draft_tokens", "tokens drafted by lossless requests", registry=r)
+        self.accepted = Counter("skipdecode_lossless_accepted_tokens", "drafted tokens full depth accepted",
+                                registry=r)
 
     def finished(self, out: RequestOutput) -> None:
         self.requests.labels(out.finish_reason or "").inc()
@@ -91,6 +94,9 @@ class Metrics:
             self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
         self.e2e.observe(out.finish_time - out.arrival_time)
         self.speedup.observe(out.decode_layer_speedup)
+        if out.draft is not None:
+            self.drafted.inc(out.draft.drafted)
+            self.accepted.inc(out.draft.accepted)
 
 
 class ServerState:
