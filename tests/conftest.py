@@ -171,3 +171,24 @@ def pick_eos(token_ids: list[list[int]], min_step: int = 1) -> tuple[int, int, i
             if tok not in ids[:s] and all(tok not in o for i, o in enumerate(token_ids) if i != r):
                 return r, s, tok
     raise AssertionError("no token ends exactly one row early; change the prompts")
+
+
+def drive(eng, arrivals: dict[int, list[dict]], plans: list | None = None, check=None) -> dict[str, object]:
+    """Add each request (``Engine.add_request`` keywords) at its engine step, step
+    until all finish; final outputs by id. ``plans`` collects every step's plan;
+    ``check(output)`` sees every output of every step."""
+    done = {}
+    if plans is not None:
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
+    while any(s >= eng.step_count for s in arrivals) or eng.has_unfinished():
+        for spec in arrivals.get(eng.step_count, []):
+            eng.add_request(**spec)
+        for o in eng.step():
+            if check is not None:
+                check(o)
+            if o.finished:
+                done[o.request_id] = o
+        assert eng.pool.used_slots <= sum(eng.pool.capacities)
+        assert eng.num_running <= eng.config.max_num_seqs
+    return done

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import build_tiny, _LLAMA
+from conftest import build_tiny, _LLAMA, drive as _drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import AsyncEngine, Engine, EngineConfig, EngineError, SamplingParams, layer_needs
 from skipdecode.reference import naive_generate
@@ -40,23 +40,6 @@ def _alone(model, prompt, sched, new, sampling=None) -> tuple[list[int], list[li
     eng.add_request(prompt, schedule=sched, max_new_tokens=new, sampling=sampling)
     (out,) = eng.run()
     return out.token_ids, out.active_layers
-
-
-def _drive(eng: Engine, arrivals: dict[int, list[dict]], plans: list | None = None) -> dict[str, object]:
-    """Add each request at its step, step until all finish; final outputs by id."""
-    done = {}
-    if plans is not None:
-        schedule = eng.scheduler.schedule
-        eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
-    while any(s >= eng.step_count for s in arrivals) or eng.has_unfinished():
-        for spec in arrivals.get(eng.step_count, []):
-            eng.add_request(**spec)
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-        assert eng.pool.used_slots <= sum(eng.pool.capacities)
-        assert eng.num_running <= eng.config.max_num_seqs
-    return done
 
 
 def test_random_arrivals_match_each_request_alone_and_the_naive_reference(deep):

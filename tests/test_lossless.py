@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import skipdecode.engine.engine as engine_mod
-from conftest import _LLAMA, build_tiny
+from conftest import _LLAMA, build_tiny, drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import Engine, EngineConfig, EngineError, KVPool
 from skipdecode.reference import naive_generate
@@ -76,17 +76,12 @@ def test_greedy_lossless_is_token_identical_to_full_depth_in_mixed_continuous_ba
         arrivals.setdefault(rng.randint(0, 25), []).append(spec)
     eng = Engine(model, EngineConfig(max_num_seqs=6, max_prefill_tokens=64, prefill_chunk=32, kv_slots=1200,
                                      draft_batch_limit=6))
-    plans = []
-    schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda step: plans.append(schedule(step)) or plans[-1]
-    done = {}
-    while any(s >= eng.step_count for s in arrivals) or eng.has_unfinished():
-        for spec in arrivals.get(eng.step_count, []):
-            eng.add_request(**spec)
-        for o in eng.step():
-            assert o.new_token_ids, "an output carries verified tokens only"
-            if o.finished:
-                done[o.request_id] = o
+    plans: list = []
+
+    def carries_tokens(o) -> None:
+        assert o.new_token_ids, "an output carries verified tokens only"
+
+    done = drive(eng, arrivals, plans, check=carries_tokens)
     assert sorted(done) == sorted(specs)
     assert any(p.verify and p.decode and p.prefill for p in plans), "a verification shared a step with others"
     drafted = accepted = 0

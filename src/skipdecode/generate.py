@@ -87,8 +87,7 @@ def generate_tokens(
             raise GenerationError(f"prompt {r}: {e}") from None
     lens = [len(q.prompt_token_ids) for q in requests]
     cfg = EngineConfig(max_num_seqs=len(prompts), max_prefill_tokens=sum(lens), policy=policy,
-                       kv_slots=pool_for([SkipSchedule.full_depth(model.cfg.n_layers) if q.lossless else q.schedule
-                                          for q in requests], lens, [max_new_tokens] * len(requests)))
+                       kv_slots=pool_for([q.kv_schedule for q in requests], lens, [max_new_tokens] * len(requests)))
     engine = Engine(model, cfg, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
     for q in requests:
         engine.add(q)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from .. import atomic
+from ..engine import EngineConfig
 from ..llm import LLM
 from .decode import machine_info
 from .engine import _arrivals, serve
@@ -128,10 +129,12 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     repeats = repeats or (1 if quick else 2)
     if quick:
         speedups, draft_tokens, hf_exits = speedups[:2], draft_tokens[:2], hf_exits[:1]
-    items = load_task("e2e-names").eval_items("validation")[:max(n_prompts, 8)]
+    pool = load_task("e2e-names").eval_items("validation")  # the serving runs draw from all of it
+    items = pool[:max(n_prompts, 8)]
     report: dict = {"machine": machine_info(), "model": model, "max_new_tokens": max_new_tokens,
                     "prompts": n_prompts, "split": "e2e-names validation (held-out restaurant names)",
-                    "repeats": repeats, "tpot_limit_ms": TPOT_LIMIT_MS, "dtypes": {}}
+                    "repeats": repeats, "tpot_limit_ms": TPOT_LIMIT_MS,
+                    "draft_batch_limit": EngineConfig().draft_batch_limit, "dtypes": {}}
     for dtype in dtypes:
         llm = LLM.load(model, dtype=dtype)
         L = llm.num_layers
@@ -174,8 +177,8 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                     layer_work_vs_full_depth=round(work / max(L * sum(len(o.token_ids) - 1 for o in outs), 1), 3),
                     identical_to_full_depth=sum(o.token_ids == f for o, f in zip(outs, full_ids)))
                 if k == max(draft_tokens):  # the acceptance study: drafts reach furthest at the largest K
-                    for r, o in enumerate(outs):
-                        records += [(sp, pos, budget, ok, o.token_ids[pos] in mr_ids[r])
+                    for i, o in enumerate(outs):
+                        records += [(sp, pos, budget, ok, o.token_ids[pos] in mr_ids[i])
                                     for pos, budget, ok in o.draft.acceptance if pos < len(o.token_ids)]
         base = rows["1x"]["decode_tokens_per_s"]
         for r in rows.values():
@@ -206,9 +209,7 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
         if dtype == "float32":
             n_req = 8 if quick else 32
             rates = [2.0, float("inf")] if quick else [2.0, 4.0, 8.0, float("inf")]
-            pool = load_task("e2e-names").eval_items("validation")
-            for name, kw in (("1x", {}), (best, dict(speedup=choice["target"], lossless=True,
-                                                      draft_tokens=choice["draft_tokens"]))):
+            for name, kw in (("1x", {}), (best, lossless_kw)):
                 runs = []
                 for rate in rates:
                     eng = llm.engine()
@@ -269,8 +270,8 @@ def render_markdown(rep: dict) -> str:
         lines += ["", f"Best lossless setting here: **{c['row']}** ({d['batch1'][c['row']]['vs_1x']:.2f}x full depth"
                   + (f", {c['vs_best_transformers']:.2f}x the best transformers row" if "vs_best_transformers" in c
                      else "") + ").", "", "### Batches of 4 and 8: tokens/s (whole generation, prefill included)", "",
-                  "Lossless requests draft only while at most 4 requests run (`EngineConfig.draft_batch_limit`); "
-                  "beyond that they decode at full depth.", "",
+                  f"Lossless requests draft only while at most {rep['draft_batch_limit']} requests run "
+                  "(`EngineConfig.draft_batch_limit`); beyond that they decode at full depth.", "",
                   "| batch | row | tok/s | vs 1x | identical to 1x |", "|---|---|---|---|---|"]
         for bs, res in d["batches"].items():
             for name, r in res.items():

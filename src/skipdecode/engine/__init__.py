@@ -4,10 +4,10 @@ the sampler and the step loop. No HTTP, no argparse."""
 from .engine import AsyncEngine, Engine, EngineConfig, pool_for
 from .kv_cache import KVPool, layer_needs
 from .prefix_cache import PrefixCache
-from .request import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOSSLESS_SPEEDUP, DraftStats, EngineDeadError, EngineError, Request, RequestOutput,
-                      RequestState, SamplingParams)
+from .request import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOSSLESS_SPEEDUP, DraftStats, EngineDeadError, EngineError,
+                      Request, RequestOutput, RequestState, SamplingParams)
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_LOSSLESS_SPEEDUP", "DraftStats", "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineError", "KVPool", "PrefixCache",
-           "Request", "RequestOutput", "RequestState", "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan",
-           "layer_needs", "pool_for"]
+__all__ = ["AsyncEngine", "DEFAULT_DRAFT_TOKENS", "DEFAULT_LOSSLESS_SPEEDUP", "DraftStats", "Engine", "EngineConfig",
+           "EngineDeadError", "EngineError", "KVPool", "PrefixCache", "Request", "RequestOutput", "RequestState",
+           "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan", "layer_needs", "pool_for"]

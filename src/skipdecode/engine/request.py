@@ -72,6 +72,12 @@ class Request:
     lossless: bool = False
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
+    @property
+    def kv_schedule(self) -> SkipSchedule:
+        """The schedule its KV reservation follows: a lossless request ends with
+        every position verified at full depth."""
+        return SkipSchedule.full_depth(self.schedule.num_layers) if self.lossless else self.schedule
+
 
 class Status(Enum):
     WAITING = "waiting"  # queued, no KV yet

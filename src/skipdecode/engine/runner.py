@@ -4,6 +4,7 @@ by the scheduler."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
@@ -70,7 +71,5 @@ class ModelRunner:
                 layer_rows.append(LayerRows(ix, torch.stack([starts[ix, l], lens[ix]], 1)))
         drafts = [None] * (len(rows) - len(plan.decode)) + [st.draft_extra if st.round_size else None
                                                             for st in plan.decode]
-        if plan.verify:
-            with dispatch.single_row_forms():
-                return self.model.decode(tokens, positions, layer_rows, self._pools, drafts)
-        return self.model.decode(tokens, positions, layer_rows, self._pools, drafts)
+        with dispatch.single_row_forms() if plan.verify else nullcontext():
+            return self.model.decode(tokens, positions, layer_rows, self._pools, drafts)

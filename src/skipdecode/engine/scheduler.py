@@ -36,7 +36,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
 from .request import EngineError, Request, RequestState, Status
 
@@ -91,9 +90,7 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------
     def needs(self, r: Request) -> list[int]:
-        # a lossless request ends with every position verified at full depth
-        sched = SkipSchedule.full_depth(self.num_layers) if r.lossless else r.schedule
-        return layer_needs(sched, len(r.prompt_token_ids), r.max_new_tokens)
+        return layer_needs(r.kv_schedule, len(r.prompt_token_ids), r.max_new_tokens)
 
     def check_fits(self, st: RequestState) -> None:
         """A request that could never be admitted is an error now, not a hang later."""
