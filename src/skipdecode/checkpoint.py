@@ -22,7 +22,8 @@ from . import atomic
 from .config import ModelConfig, ModelError, config_from_hf
 from .model import Transformer
 
-DEFAULT_MODEL = "default"
+DEFAULT_MODEL = "default"  # the embedded base model, never trained to skip
+SKIP_MODEL = "default-e2e"  # the shipped skip-trained model: what every verb loads by default
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

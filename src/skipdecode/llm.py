@@ -1,7 +1,7 @@
 """The Python front door: load a model once, generate text with a schedule.
 
     from skipdecode import LLM
-    llm = LLM.load("default")
+    llm = LLM.load()  # default-e2e: the embedded model, skip-trained on E2E
     out = llm.generate(["Describe a cheap Italian pub."], speedup=2)
     print(out[0].text, out[0].decode_layer_speedup)
 """
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +30,8 @@ from .schedule import DEFAULT_DECAY, SkipSchedule
 
 # weight dtype -> the dtype the checkpoint is loaded in: bf16 and int8 are the linears' weights only,
 # rounded from fp32 when packed (activations, norms, embeddings and the KV cache stay fp32)
+log = logging.getLogger("skipdecode")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "int8": torch.float32, "float16": torch.float16}
 
 
@@ -71,9 +74,10 @@ class LLM:
         # a target speedup then means exactly that schedule.
         meta = path / "skipdecode.json"
         self.training: dict = json.loads(meta.read_text()) if meta.is_file() else {}
+        self._warned_untrained = False
 
     @classmethod
-    def load(cls, model: str | os.PathLike = "default", dtype: str = "float32", pack: bool = True,
+    def load(cls, model: str | os.PathLike = "default-e2e", dtype: str = "float32", pack: bool = True,
              use_kernels: bool = True) -> "LLM":
         """Load weights once. ``pack`` lays linear weights out for fast CPU decoding;
         ``use_kernels=False`` keeps oneDNN instead of the compiled kernels
@@ -120,6 +124,10 @@ class LLM:
             return SkipSchedule.from_file(schedule, self.num_layers)
         if speedup is None:
             return SkipSchedule.full_depth(self.num_layers)
+        if speedup > 1 and not self.training.get("schedules") and not self._warned_untrained:
+            self._warned_untrained = True
+            log.warning("skipdecode: warning: %s was never trained to skip layers, so its output at %gx degrades; "
+                        "load 'default-e2e' or fine-tune it first with 'skipdecode train'", self.path, speedup)
         return schedule_for_speedup(
             speedup, self.num_layers,
             expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
@@ -201,7 +209,7 @@ class LLM:
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                 stop: str | Sequence[str] = (), chat: bool | None = None, system: str | None = None,
                 ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
-                draft_tokens: int | None = None) -> Request:
+                draft_tokens: int | None = None, logprobs: int | None = None) -> Request:
         """A validated engine request from text (or token ids) and the options of ``generate``."""
         if isinstance(schedule, dict):
             schedule = SkipSchedule.from_dict(schedule, self.num_layers)
@@ -209,7 +217,7 @@ class LLM:
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat, system)
         return engine.make_request(ids, sched, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                                   stop, ignore_eos, request_id, lossless, draft_tokens)
+                                   stop, ignore_eos, request_id, lossless, draft_tokens, logprobs)
 
     def replay(self, requests: Sequence[dict], config: EngineConfig | None = None) -> list[dict]:
         """Deterministic replay: request ``r`` (the keyword arguments of ``request``

@@ -142,7 +142,7 @@ def _plans(llm: LLM) -> dict[str, list[str]]:
     return {n: list(m.plan) for n, m in mods.items() if getattr(m, "plan", None)}
 
 
-def run_bench(model: str = "default", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
+def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
               batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
               new_tokens: int | None = None, with_transformers: bool = True, repeats: int | None = None,
               dtypes: list[str] | None = None, vllm_venv: str | os.PathLike | None = ".venv-vllm") -> dict:

@@ -5,9 +5,9 @@ from .engine import AsyncEngine, Engine, EngineConfig, pool_for
 from .kv_cache import KVPool, layer_needs
 from .prefix_cache import PrefixCache
 from .request import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOSSLESS_SPEEDUP, DraftStats, EngineDeadError, EngineError,
-                      Request, RequestOutput, RequestState, SamplingParams)
+                      Request, RequestOutput, RequestState, SamplingParams, TokenLogprob)
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 
 __all__ = ["AsyncEngine", "DEFAULT_DRAFT_TOKENS", "DEFAULT_LOSSLESS_SPEEDUP", "DraftStats", "Engine", "EngineConfig",
            "EngineDeadError", "EngineError", "KVPool", "PrefixCache", "Request", "RequestOutput", "RequestState",
-           "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan", "layer_needs", "pool_for"]
+           "SamplingParams", "Scheduler", "SchedulerConfig", "StepPlan", "TokenLogprob", "layer_needs", "pool_for"]

@@ -42,8 +42,8 @@ from ..model import Transformer
 from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
 from .prefix_cache import PrefixCache
-from .request import (MAX_DRAFT_TOKENS, DraftStats, EngineDeadError, EngineError, Request, RequestOutput,
-                      RequestState, SamplingParams, Status)
+from .request import (MAX_DRAFT_TOKENS, MAX_LOGPROBS, DraftStats, EngineDeadError, EngineError, Request,
+                      RequestOutput, RequestState, SamplingParams, Status, TokenLogprob)
 from .runner import ModelRunner
 from .sampler import filter_logits, sample_rows
 from .scheduler import Scheduler, SchedulerConfig
@@ -86,7 +86,7 @@ class Engine:
         self.step_count = 0
         self.counters = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0, "generated_tokens": 0,
                          "decode_steps": 0, "decode_rows": 0, "drafted_tokens": 0, "accepted_tokens": 0,
-                         "verify_rounds": 0,
+                         "verify_rounds": 0, "decode_layers_run": 0, "decode_layers_full": 0,
                          "prefill_seconds": 0.0, "decode_seconds": 0.0}
         self._ids = itertools.count()
 
@@ -99,7 +99,7 @@ class Engine:
                      max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                      stop: str | Sequence[str] | None = (),
                      ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
-                     draft_tokens: int | None = None) -> Request:
+                     draft_tokens: int | None = None, logprobs: int | None = None) -> Request:
         """A validated request (raises ``EngineError`` saying what is wrong)."""
         L = self.num_layers
         schedule = schedule or SkipSchedule.full_depth(L)
@@ -141,9 +141,12 @@ class Engine:
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) \
                 or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise EngineError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise EngineError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, tuple(ids), schedule, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos,
-                       lossless, draft_tokens)
+                       lossless, draft_tokens, logprobs)
 
     def add(self, request: Request) -> RequestState:
         if request.request_id in self.requests:
@@ -217,6 +220,9 @@ class Engine:
                         st.spec.verify_layers += b
             self.counters["decode_steps"] += 1
             self.counters["decode_rows"] += len(plan.decode)
+            verify_rows = sum(len(st.drafts) + 1 for st in plan.verify)
+            self.counters["decode_layers_run"] += sum(plan.budgets) + self.num_layers * verify_rows
+            self.counters["decode_layers_full"] += self.num_layers * (len(plan.decode) + verify_rows)
         t1 = time.perf_counter()
         for st in plan.cached:  # a cached prompt prefix: copied into its slots, not recomputed
             self.counters["prompt_tokens_cached"] += st.cached_prefix
@@ -244,8 +250,8 @@ class Engine:
         states = [st for st, _ in ready]
         picks = sample_rows(logits, [st.request.sampling for st in states], [st.generator for st in states],
                             self.model.argmax)
-        for st, tok in zip(states, picks):
-            out = self._append(st, tok, now)
+        for st, tok, row in zip(states, picks, logits):
+            out = self._append(st, tok, now, row=row)
             if st.request.lossless and not out.finished:
                 self._begin_round(st)
             outs.append(out)
@@ -325,17 +331,23 @@ class Engine:
         self.counters["verify_rounds"] += 1
         st.drafts, st.draft_probs, st.draft_budgets, st.verifying = [], [], [], False
         out = None
-        for tok in new:
+        for j, tok in enumerate(new):
             st.budgets.append(L)  # the position fed before this token is verified at every layer
-            out = self._append(st, tok, now, merge=out)
+            out = self._append(st, tok, now, merge=out, row=full[j])
             if out.finished:
                 return out
         self._begin_round(st)
         return out
 
-    def _append(self, st: RequestState, tok: int, now: float, merge: RequestOutput | None = None) -> RequestOutput:
-        """Append one token; ``merge``: an output of this step to extend (a lossless round's tokens)."""
+    def _append(self, st: RequestState, tok: int, now: float, merge: RequestOutput | None = None,
+                row: torch.Tensor | None = None) -> RequestOutput:
+        """Append one token chosen from logits ``row``; ``merge``: an output of this
+        step to extend (a lossless round's tokens)."""
         st.token_ids.append(tok)
+        lp = None
+        if st.request.logprobs is not None:
+            lp = (merge.new_logprobs if merge is not None else []) + [token_logprob(row, tok, st.request.logprobs)]
+            st.logprobs.append(lp[-1])
         self.counters["generated_tokens"] += 1
         if st.first_token_time is None:
             st.first_token_time = now
@@ -353,12 +365,13 @@ class Engine:
         new = (merge.new_token_ids if merge is not None else []) + [tok]
         delta = (merge.text_delta if merge is not None else "") + delta
         if reason is not None:
-            return self._finish(st, reason, new, delta)
+            return self._finish(st, reason, new, delta, lp)
         return RequestOutput(st.request_id, new, delta, list(st.token_ids), False,
                              arrived_step=st.arrived_step, arrival_time=st.arrival_time,
-                             first_token_time=st.first_token_time)
+                             first_token_time=st.first_token_time, new_logprobs=lp)
 
-    def _finish(self, st: RequestState, reason: str, new: list[int] | None = None, delta: str = "") -> RequestOutput:
+    def _finish(self, st: RequestState, reason: str, new: list[int] | None = None, delta: str = "",
+                new_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         self.scheduler.remove(st)
         self.requests.pop(st.request_id, None)
         st.status, st.finish_reason = Status.FINISHED, reason
@@ -370,7 +383,10 @@ class Engine:
             st.request_id, new or [], delta, list(st.token_ids), True, reason, st.text,
             list(st.request.prompt_token_ids), st.active_layers(self.num_layers),
             st.decode_layer_speedup(self.num_layers), st.arrived_step, st.finished_step, st.arrival_time,
-            st.first_token_time, st.finish_time, draft=st.spec)
+            st.first_token_time, st.finish_time, draft=st.spec,
+            scheduled_time=st.scheduled_time,
+            new_logprobs=new_logprobs if st.request.logprobs is not None else None,
+            logprobs=list(st.logprobs) if st.request.logprobs is not None else None)
 
     def run(self) -> list[RequestOutput]:
         """Step until every request has finished; the final output of each."""
@@ -378,6 +394,16 @@ class Engine:
         while self.has_unfinished():
             done += [o for o in self.step() if o.finished]
         return done
+
+
+def token_logprob(row: torch.Tensor, tok: int, k: int) -> TokenLogprob:
+    """``tok``'s log-probability under logits ``row`` and the ``k`` most likely tokens'."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    top = ()
+    if k:
+        v, i = torch.topk(lp, k)
+        top = tuple(zip(i.tolist(), v.tolist()))
+    return TokenLogprob(tok, float(lp[tok]), top)
 
 
 def pool_for(schedules: Sequence[SkipSchedule], prompt_lens: Sequence[int], max_new_tokens: Sequence[int]

@@ -23,6 +23,7 @@ GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
 DEFAULT_DRAFT_TOKENS = 4  # drafts per lossless round (benchmarks/results/lossless.md measures 2..8)
 DEFAULT_LOSSLESS_SPEEDUP = 5.0  # the draft schedule when a lossless request names none (same measurement)
 MAX_DRAFT_TOKENS = 16
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Request:
     # lossless: the schedule only drafts; a full-depth pass verifies every token (see engine.py)
     lossless: bool = False
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    # log-probabilities: None = off; k = the chosen token's and the k most likely tokens'
+    logprobs: int | None = None
 
     @property
     def kv_schedule(self) -> SkipSchedule:
@@ -92,6 +95,7 @@ class RequestState:
 
     request: Request
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # when it was admitted (KV reserved): its queue time ends
     status: Status = Status.WAITING
     reservation: object | None = None  # kv_cache.Reservation while KV is held
     prefilled: int = 0  # prompt tokens whose keys/values are written
@@ -115,6 +119,7 @@ class RequestState:
     verifying: bool = False  # the round's drafts are done: the next step verifies them
     draft_extra: object | None = None  # token ids beyond the draft vocabulary its drafts score (its prompt's)
     spec: "DraftStats | None" = None
+    logprobs: list["TokenLogprob"] = field(default_factory=list)  # per generated token, when asked for
 
     @property
     def request_id(self) -> str:
@@ -169,6 +174,18 @@ class DraftStats:
                 "layer_work_vs_full_depth": round(work / (num_layers * fed), 4) if fed else None}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the pass that chose it (the
+    skipped pass for a skipped step, full depth for a verified lossless token),
+    from the raw logits before temperature, top-k and top-p, as vLLM reports
+    them; ``top``: the most likely tokens, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request (a delta), and its totals so far."""
@@ -190,3 +207,6 @@ class RequestOutput:
     finish_time: float | None = None
     error: str | None = None  # set when the engine failed this request
     draft: DraftStats | None = None  # lossless requests: drafting and verification totals
+    scheduled_time: float | None = None  # when it was admitted (filled when finished)
+    new_logprobs: list[TokenLogprob] | None = None  # per new token, when the request asked for logprobs
+    logprobs: list[TokenLogprob] | None = None  # every token's, when finished

@@ -32,6 +32,7 @@ Budgets, two policies:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -142,6 +143,7 @@ class Scheduler:
                 break  # the head waits for KV; nobody overtakes it
             self.waiting.popleft()
             st.reservation, st.status = res, Status.PREFILL
+            st.scheduled_time = time.perf_counter()
             self.running.append(st)
             plan.admitted.append(st)
 

@@ -46,7 +46,7 @@ def expected_length(llm: LLM, items: Sequence[EvalItem], chat: bool | None = Non
     return max(2, int(statistics.median(lengths)))
 
 
-def evaluate(task: str, data: str | os.PathLike, model: str = "default", speedups: Sequence[float] = (1, 2, 3),
+def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", speedups: Sequence[float] = (1, 2, 3),
              limit: int | None = None, out: str | os.PathLike | None = None, split: str = "all",
              batch_size: int = 16, max_new_tokens: int | None = None, expected_new_tokens: int | None = None,
              horizon: int | None = None, warmup_layers: int | None = None, mode: str = "skip", bertscore: bool = True,
@@ -134,7 +134,7 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e = subparsers.add_parser("evaluate", help="generate and score a task file at several speedups")
     e.add_argument("--task", choices=TASKS, required=True)
     e.add_argument("--data", required=True, help="E2E: the mr,ref CSV; SciTLDR: a JSONL file")
-    e.add_argument("--model", default="default")
+    e.add_argument("--model", default="default-e2e")
     e.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
     e.add_argument("--limit", type=POSITIVE, default=None, help="first N items (an item = a prompt with all its refs)")
     e.add_argument("--split", choices=["all", "train", "validation", "train-names", "validation-names"],

@@ -20,9 +20,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,6 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..engine import AsyncEngine, EngineConfig, EngineDeadError, EngineError, RequestOutput
 from ..errors import SkipDecodeError
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+
+log = logging.getLogger("skipdecode.server")
 
 
 class APIError(Exception):
@@ -47,7 +50,7 @@ def error_response(e: APIError) -> JSONResponse:
 
 @dataclass
 class ServerConfig:
-    model: str = "default"
+    model: str = "default-e2e"
     served_model_name: str | None = None  # the name clients send; default: the --model argument
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
@@ -55,36 +58,90 @@ class ServerConfig:
     default_max_tokens: int = 256  # chat completions without max_tokens
     api_key: str | None = None
     dtype: str = "float32"
+    max_model_len: int | None = None  # cap on prompt + max_tokens per request (default: the model's context)
+    chat_template: str | None = None  # a Jinja file or template replacing the tokenizer's
+    stats_interval: float = 10.0  # seconds between activity lines in the log (0: none)
+
+
+class _EngineCounters:
+    """The engine's own monotone counters as Prometheus counters, read at scrape time."""
+
+    def __init__(self, state: "ServerState"):
+        self.state = state
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        eng, name = self.state.engine, self.state.model_name
+        c = eng.counters if eng is not None else {}
+        cached, computed = c.get("prompt_tokens_cached", 0), c.get("prompt_tokens_computed", 0)
+        run, full = c.get("decode_layers_run", 0), c.get("decode_layers_full", 0)
+        prefix_on = eng is not None and eng.prefix_cache is not None
+        for metric, doc, value in (
+                ("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                 cached + computed if prefix_on else 0),
+                ("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache (copied, not recomputed)", cached),
+                ("skipdecode:decode_layers_run", "decoder layers run by decode rows (a verified position: all)", run),
+                ("skipdecode:decode_layers_skipped", "decoder layers decode rows skipped", full - run),
+                ("skipdecode:lossless_draft_tokens", "tokens drafted by lossless requests",
+                 c.get("drafted_tokens", 0)),
+                ("skipdecode:lossless_accepted_tokens", "drafted tokens full depth accepted",
+                 c.get("accepted_tokens", 0))):
+            m = CounterMetricFamily(metric, doc, labels=["model_name"])
+            m.add_metric([name], value)
+            yield m
 
 
 class Metrics:
+    """Prometheus metrics under vLLM's names (``vllm:...``, label ``model_name``),
+    so dashboards built for vLLM read them, plus skipdecode's own (``skipdecode:...``):
+    layers run and skipped, the decode-layer speedup, lossless drafting."""
+
     def __init__(self, state: "ServerState"):
         self.registry = r = CollectorRegistry()
-        Gauge("skipdecode_requests_running", "requests in the engine batch", registry=r).set_function(
-            lambda: state.engine.num_running if state.engine else 0)
-        Gauge("skipdecode_requests_waiting", "requests queued for admission", registry=r).set_function(
-            lambda: state.engine.num_waiting if state.engine else 0)
-        Gauge("skipdecode_kv_slots_used", "KV pool slots reserved (all layers)", registry=r).set_function(
-            lambda: state.engine.pool.used_slots if state.engine else 0)
-        Gauge("skipdecode_kv_slots_total", "KV pool slots (all layers)", registry=r).set_function(
-            lambda: sum(state.engine.pool.capacities) if state.engine else 0)
-        self.prompt_tokens = Counter("skipdecode_prompt_tokens", "prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("skipdecode_generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter("skipdecode_requests", "finished requests", ["finish_reason"], registry=r)
-        self.ttft = Histogram("skipdecode_time_to_first_token_seconds", "time to first token", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.tpot = Histogram("skipdecode_time_per_output_token_seconds", "time per output token", registry=r,
-                              buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1))
-        self.e2e = Histogram("skipdecode_e2e_request_latency_seconds", "request latency", registry=r,
-                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.speedup = Histogram("skipdecode_decode_layer_speedup", "decode-layer speedup per request", registry=r,
-                                 buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6))
-        self.drafted = Counter("skipdecode_lossless_draft_tokens", "tokens drafted by lossless requests", registry=r)
-        self.accepted = Counter("skipdecode_lossless_accepted_tokens", "drafted tokens full depth accepted",
-                                registry=r)
+        name = state.model_name
+        lab = ["model_name"]
+
+        def gauge(metric: str, doc: str, fn) -> None:
+            Gauge(metric, doc, lab, registry=r).labels(name).set_function(fn)
+
+        gauge("vllm:num_requests_running", "requests in the engine batch",
+              lambda: state.engine.num_running if state.engine else 0)
+        gauge("vllm:num_requests_waiting", "requests queued for admission",
+              lambda: state.engine.num_waiting if state.engine else 0)
+        gauge("vllm:kv_cache_usage_perc", "fraction of the KV pool's slots reserved (1 = full)",
+              lambda: state.engine.pool.used_slots / max(sum(state.engine.pool.capacities), 1)
+              if state.engine else 0)
+        gauge("skipdecode:kv_slots_used", "KV pool slots reserved (all layers)",
+              lambda: state.engine.pool.used_slots if state.engine else 0)
+        gauge("skipdecode:kv_slots_total", "KV pool slots (all layers)",
+              lambda: sum(state.engine.pool.capacities) if state.engine else 0)
+        r.register(_EngineCounters(state))
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens admitted", lab, registry=r).labels(name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "tokens generated", lab,
+                                         registry=r).labels(name)
+        self._requests = Counter("vllm:request_success", "finished requests", lab + ["finished_reason"],
+                                 registry=r)
+        self.requests = lambda reason: self._requests.labels(name, reason)
+
+        def hist(metric: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(metric, doc, lab, registry=r, buckets=buckets).labels(name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "time to first token",
+                         (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tpot = hist("vllm:time_per_output_token_seconds", "time per output token after the first",
+                         (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1))
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "request latency",
+                        (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.queue = hist("vllm:request_queue_time_seconds", "time waiting for admission (KV and a batch row)",
+                          (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.speedup = hist("skipdecode:decode_layer_speedup", "decode-layer speedup per request",
+                            (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6))
 
     def finished(self, out: RequestOutput) -> None:
-        self.requests.labels(out.finish_reason or "").inc()
+        self.requests(out.finish_reason or "").inc()
+        if out.scheduled_time is not None:
+            self.queue.observe(out.scheduled_time - out.arrival_time)
         if out.finish_reason == "abort" or out.first_token_time is None:
             return
         n = len(out.token_ids)
@@ -94,9 +151,18 @@ class Metrics:
             self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
         self.e2e.observe(out.finish_time - out.arrival_time)
         self.speedup.observe(out.decode_layer_speedup)
-        if out.draft is not None:
-            self.drafted.inc(out.draft.drafted)
-            self.accepted.inc(out.draft.accepted)
+
+
+def read_chat_template(spec: str) -> str:
+    """``--chat-template``: a Jinja file, or the template itself (as vLLM takes it)."""
+    from pathlib import Path
+
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p.read_text(encoding="utf-8")
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise SkipDecodeError(f"--chat-template {spec!r} is neither a file nor a Jinja template")
 
 
 class ServerState:
@@ -108,19 +174,80 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False
         self.in_flight = 0
+        self.model_name = config.served_model_name or config.model
+        self.names = {self.model_name}
         self.metrics = Metrics(self)
-        self.names = {config.served_model_name or config.model}
+        self.on_load_failure: Callable[[], None] | None = None  # serve(): stop the process
+        self.loaded_at: float | None = None
+        self._ignored_fields: set[str] = set()
 
     def load(self) -> None:
+        t0 = time.perf_counter()
         try:
             from ..llm import LLM
 
             llm = LLM.load(self.config.model, dtype=self.config.dtype)
+            if self.config.chat_template is not None:
+                llm.tokenizer.chat_template = read_chat_template(self.config.chat_template)
             engine = llm.engine(self.config.engine)
             self.llm, self.engine = llm, engine
             self.aengine = AsyncEngine(engine)
-        except Exception as e:  # noqa: BLE001 - reported by /health and every route
+        except Exception as e:  # noqa: BLE001 - logged; /health and every route report it
             self.load_error = f"{type(e).__name__}: {e}"
+            log.error("skipdecode: the model %r failed to load: %s", self.config.model, self.load_error,
+                      exc_info=not isinstance(e, SkipDecodeError))
+            if self.on_load_failure is not None:
+                self.on_load_failure()
+            return
+        self.loaded_at = time.perf_counter()
+        import torch
+
+        pool = engine.pool
+        log.info("skipdecode: serving %r as %r: %d layers, %s weights, %d threads, KV pool %d slots per layer "
+                 "(%d in all), up to %d requests at once, context %d tokens, loaded in %.1f s",
+                 self.config.model, self.model_name, llm.num_layers, self.config.dtype, torch.get_num_threads(),
+                 max(pool.capacities), sum(pool.capacities), self.config.engine.max_num_seqs, self.max_model_len,
+                 self.loaded_at - t0)
+
+    @property
+    def max_model_len(self) -> int:
+        """The context a request may use: the model's, or less with ``--max-model-len``."""
+        ctx = self.llm.model.cfg.max_position
+        return min(ctx, self.config.max_model_len) if self.config.max_model_len else ctx
+
+    def warn_ignored(self, body) -> None:
+        """Log (once per field name) the body fields this server does not know and ignores."""
+        extra = set(body.model_extra or ())
+        if body.stream_options is not None:
+            extra |= {f"stream_options.{k}" for k in body.stream_options.model_extra or ()}
+        new = extra - self._ignored_fields
+        if new and len(self._ignored_fields) < 1000:
+            self._ignored_fields |= new
+            log.warning("skipdecode: ignoring request field(s) this server does not support: %s",
+                        ", ".join(sorted(new)[:20]))
+
+    def stats_line(self, since: dict) -> str | None:
+        """One line of engine activity since the last (``since`` holds the last counters);
+        None when nothing happened."""
+        eng = self.engine
+        if eng is None:
+            return None
+        c, now = dict(eng.counters), time.perf_counter()
+        dt = now - since.get("t", now)
+        prev = since.get("c", {})
+        gen = c["generated_tokens"] - prev.get("generated_tokens", 0)
+        prompt = (c["prompt_tokens_computed"] + c["prompt_tokens_cached"]
+                  - prev.get("prompt_tokens_computed", 0) - prev.get("prompt_tokens_cached", 0))
+        since.update(t=now, c=c)
+        if not gen and not prompt and not eng.num_running and not eng.num_waiting:
+            return None
+        run = c["decode_layers_run"] - prev.get("decode_layers_run", 0)
+        full = c["decode_layers_full"] - prev.get("decode_layers_full", 0)
+        pool = eng.pool
+        return (f"skipdecode: prompt {prompt / max(dt, 1e-9):.1f} tok/s, generation {gen / max(dt, 1e-9):.1f} tok/s, "
+                f"running {eng.num_running}, waiting {eng.num_waiting}, "
+                f"KV {100 * pool.used_slots / max(sum(pool.capacities), 1):.1f}% used, "
+                f"decode layers run {run} of {full}")
 
     @property
     def ready(self) -> bool:
@@ -130,12 +257,23 @@ class ServerState:
 def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
     state = ServerState(config)
 
+    async def stats_loop() -> None:
+        since: dict = {}
+        while True:
+            await asyncio.sleep(config.stats_interval)
+            line = state.stats_line(since)
+            if line:
+                log.info(line)
+
     async def lifespan(app: FastAPI):
         t = threading.Thread(target=state.load, name="skipdecode-load", daemon=True)
         t.start()
         if not load_in_background:
             await asyncio.to_thread(t.join)
+        stats = asyncio.ensure_future(stats_loop()) if config.stats_interval > 0 else None
         yield
+        if stats is not None:
+            stats.cancel()
         state.draining = True
         if state.aengine is not None:
             state.aengine.shutdown()
@@ -226,9 +364,10 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
 
     def make_request(body, prompt_ids: list[int], max_tokens: int):
         llm, eng = state.llm, state.engine
-        ctx = llm.model.cfg.max_position
+        state.warn_ignored(body)
+        ctx = state.max_model_len
         if len(prompt_ids) + max_tokens - 1 > ctx:
-            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
+            raise APIError(400, f"this server's context is {ctx} tokens; the prompt has {len(prompt_ids)} and "
                                 f"max_tokens is {max_tokens}: shorten the prompt or lower max_tokens",
                            param="max_tokens" if len(prompt_ids) < ctx else
                            ("messages" if hasattr(body, "messages") else "prompt"),
@@ -242,7 +381,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                               mode=body.mode, temperature=body.temperature, top_k=body.top_k,
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
                               request_id=f"{uuid.uuid4().hex}", lossless=body.lossless,
-                              draft_tokens=body.draft_tokens)
+                              draft_tokens=body.draft_tokens, logprobs=body.top_logprobs_count)
             eng.scheduler.check_capacity(req)  # the rest is checked by the engine thread
         except EngineError as e:
             code = "context_length_exceeded" if "KV slots" in str(e) else None
@@ -270,7 +409,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         finally:
             state.in_flight -= 1
             if not finished:
-                state.metrics.requests.labels("abort").inc()
+                state.metrics.requests("abort").inc()
 
     async def collect(req, request: Request) -> RequestOutput:
         """Run to the end; a client that goes away aborts the request."""
@@ -307,6 +446,33 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         return {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
                 "active_layers": out.active_layers}
 
+    def token_text(tid: int) -> str:
+        return state.llm.tokenizer.decode([tid]) if state.llm.tokenizer is not None else str(tid)
+
+    def completion_logprobs(entries, offset: int) -> dict:
+        """OpenAI's legacy completions shape; ``offset``: text offset of the first token."""
+        tokens, offsets = [], []
+        for e in entries:
+            tokens.append(token_text(e.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{token_text(t): v for t, v in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def chat_logprobs(entries) -> dict:
+        def one(tid: int, v: float) -> dict:
+            t = token_text(tid)
+            return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
+
+        return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, v) for t, v in e.top])
+                            for e in entries]}
+
+    def logprobs_of(kind: str, entries, offset: int = 0) -> dict | None:
+        if entries is None:
+            return None
+        return completion_logprobs(entries, offset) if kind == "completion" else chat_logprobs(entries)
+
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -315,14 +481,20 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         base = {"id": rid, "object": obj, "created": created, "model": body.model}
 
+        offset = 0  # text offset of the next token (completions' logprobs)
+
         def chunk(delta: str, reason: str | None, out: RequestOutput | None = None, first: bool = False) -> dict:
+            nonlocal offset
+            lp = logprobs_of(kind, out.new_logprobs, offset) if out is not None else None
+            if lp is not None and kind == "completion":
+                offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offset
             if kind == "completion":
-                c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+                c = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": reason}
             else:
                 d = ({"role": "assistant", "content": delta} if first else {"content": delta}) if delta or first \
                     else {}
-                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
-            if out is not None and body.trace:
+                c = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": reason}
+            if out is not None and out.finished and body.trace:
                 c.update(trace(out))
             return dict(base, choices=[c])
 
@@ -334,8 +506,8 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                     yield sse(chunk(out.text_delta, finish_reason(out), out))
                     if body.stream_options is not None and body.stream_options.include_usage:
                         yield sse(dict(base, choices=[], usage=usage(prompt_len, out)))
-                elif out.text_delta:
-                    yield sse(chunk(out.text_delta, None))
+                elif out.text_delta or out.new_logprobs:
+                    yield sse(chunk(out.text_delta, None, out))
         except APIError as e:  # the status line is gone: the error travels as an event, as vLLM does
             yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         yield "data: [DONE]\n\n"
@@ -353,7 +525,8 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         if body.stream:
             return StreamingResponse(stream(req, body, "completion", rid, len(ids)), media_type="text/event-stream")
         out = await collect(req, request)
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out)}
+        choice = {"index": 0, "text": out.text, "logprobs": logprobs_of("completion", out.logprobs),
+                  "finish_reason": finish_reason(out)}
         if body.trace:
             choice.update(trace(out))
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
@@ -370,15 +543,19 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                     for m in body.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = encode_messages(state.llm.tokenizer, msgs)
-        max_tokens = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
+        try:
+            ids = encode_messages(state.llm.tokenizer, msgs)
+        except TemplateError as e:  # e.g. a template that wants roles to alternate
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens or \
+            max(1, min(config.default_max_tokens, state.max_model_len - len(ids) + 1))
         req = make_request(body, ids, max_tokens)
         rid = f"chatcmpl-{req.request_id}"
         if body.stream:
             return StreamingResponse(stream(req, body, "chat", rid, len(ids)), media_type="text/event-stream")
         out = await collect(req, request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                  "finish_reason": finish_reason(out)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": logprobs_of("chat", out.logprobs), "finish_reason": finish_reason(out)}
         if body.trace:
             choice.update(trace(out))
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,

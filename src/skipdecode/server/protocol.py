@@ -5,8 +5,13 @@ Standard fields follow OpenAI's API (defaults included: ``temperature`` 1,
 the way vLLM takes ``top_k``: ``speedup`` or ``schedule`` (the fields of
 ``SkipSchedule``), ``mode``, ``trace`` (token ids and the layers each
 token ran, per choice), and ``lossless`` with ``draft_tokens`` (the schedule
-drafts, full depth verifies; streams carry verified tokens only). Unknown fields are refused, so a typo is a 400, not a
-silently ignored option.
+drafts, full depth verifies; streams carry verified tokens only).
+
+Unknown top-level fields (``tools``, ``response_format``, vendor fields) are
+accepted and ignored with a warning in the server log, as vLLM does, so
+clients written for other servers keep working; every known field is still
+validated, and the skip extension's own ``schedule`` object refuses unknown
+keys (a typo there would silently change the schedule).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit)
 
 
 class ErrorBody(BaseModel):
@@ -29,7 +37,7 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
@@ -46,7 +54,7 @@ class ScheduleFields(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -57,7 +65,6 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -84,14 +91,14 @@ class _Sampling(BaseModel):
         v = [v] if isinstance(v, str) else v
         if len(v) > 4:
             raise ValueError("at most 4 stop strings")
+        if any(len(x) > MAX_STOP_CHARS for x in v):
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")
     def _supported(self) -> "_Sampling":
         if self.n != 1:
             raise ValueError("n: only n=1 is supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty/frequency_penalty: not supported (use 0)")
         if self.speedup is not None and self.schedule is not None:
@@ -107,6 +114,12 @@ class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt] | list[str] = Field(..., description="text, or token ids; a list of one string")
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probabilities of each token and of this many alternatives")
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -129,22 +142,47 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    """A message must say something: no content, empty content, or a part that is
+    not text is a 400 (other servers answer it with an empty turn)."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[dict]
+
+    @field_validator("content")
+    @classmethod
+    def _has_text(cls, v: str | list[dict]) -> str | list[dict]:
+        if isinstance(v, list):  # [{"type": "text", "text": ...}, ...]
+            if not v:
+                raise ValueError("content is an empty list: give text")
+            for p in v:
+                if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise ValueError("only text content parts are supported: {\"type\": \"text\", \"text\": ...}")
+            if not any(p["text"] for p in v):
+                raise ValueError("content is empty: give text")
+        elif not v:
+            raise ValueError("content is empty: give text")
+        return v
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = []
-            for p in self.content:
-                if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise ValueError("messages: only text content parts are supported")
-                parts.append(p["text"])
-            return "".join(parts)
-        return self.content or ""
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
+        return self.content
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs \"logprobs\": true")
+        return self
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -32,7 +32,7 @@ class TrainError(SkipDecodeError):
 class TrainConfig:
     """Every setting of a run; ``skipdecode.json`` records it next to the weights."""
 
-    model: str = "default"
+    model: str = "default-e2e"  # the shipped skip-trained model; "default" is the base it was trained from
     data: str = "e2e"  # e2e | scitldr | a .jsonl of prompt/target | an E2E-style .csv
     output_dir: str = "runs/train"
     # schedules

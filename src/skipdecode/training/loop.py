@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from ..allocator import keep_freed_memory
-from ..checkpoint import DEFAULT_MODEL, load_model, save_hf_model
+from ..checkpoint import DEFAULT_MODEL, SHIPPED_MODELS, load_model, save_hf_model
 from ..data import TaskData, load_task
 from ..dispatch import cpu_features
 from ..lora import apply_lora, merge_peft_model, save_adapter
@@ -393,8 +393,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     merged = None
     if env.main:
         if cfg.lora:
-            # a named base ("default") stays portable; a local base is recorded by its path
-            save_adapter(model, cfg.model if cfg.model == DEFAULT_MODEL else path, out, meta, tokenizer)
+            # a named base ("default", "default-e2e") stays portable; a local base is recorded by its path
+            save_adapter(model, cfg.model if cfg.model in (DEFAULT_MODEL, *SHIPPED_MODELS) else path, out, meta, tokenizer)
             if cfg.merge:
                 model = merge_peft_model(model)
                 merged = save_hf_model(model, path, out / "merged", meta)
