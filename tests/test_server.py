@@ -367,3 +367,105 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_event(chat_model_dir):
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert err["type"] == "service_unavailable" and "engine loop" in err["message"]
+
+
+def test_unknown_fields_are_accepted_with_a_warning_and_known_ones_still_validated(server):
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 3, "tools": [{"type": "function"}],
+            "response_format": {"type": "text"}, "vendor_flag": 1, "stream_options": None}
+    status, _, out = _post(server, "/v1/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 3
+    status, _, out = _post(server, "/v1/chat/completions",
+                           {"model": NAME, "messages": [{"role": "user", "content": "hi", "name": "x"}],
+                            "max_tokens": 2, "parallel_tool_calls": False})
+    assert status == 200
+    log = server.output()
+    assert "ignoring request field(s)" in log and "vendor_flag" in log and "parallel_tool_calls" in log
+    status, _, err = _post(server, "/v1/completions", {**body, "temperature": -1})
+    assert status == 400 and err["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user"}, {"role": "user", "content": None}, {"role": "user", "content": ""},
+    {"role": "user", "content": []}, {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+    {"role": "user", "content": [{"type": "text"}]}, {"role": "user", "content": [{"type": "text", "text": ""}]},
+    {"role": "user", "content": 5}, {"role": "robot", "content": "hi"}, {"content": "hi"}, "hello", None,
+    {"role": "user", "content": "a\ud800b"},
+])
+def test_every_malformed_chat_message_is_a_400(server, message):
+    raw = json.dumps({"model": NAME, "messages": [{"role": "system", "content": "Be brief."}, message],
+                      "max_tokens": 2})
+    status, _, err = _post(server, "/v1/chat/completions", None, raw=raw.encode())
+    assert status == 400, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == "messages"
+
+
+def test_logprobs_for_completions_and_chat_are_the_engines_streamed_or_not(server, llm):
+    prompt = "The tiny model says"
+    eng = llm.engine()
+    eng.add(llm.request(eng, prompt, speedup=2, max_new_tokens=6, logprobs=2, chat=False))
+    (want,) = eng.run()
+    c = client(server)
+    r = c.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                             extra_body={"speedup": 2})
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(0 < len(t) <= 2 for t in lp.top_logprobs)
+    streamed = []
+    for ch in c.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, stream=True,
+                                   extra_body={"speedup": 2}):
+        if ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+    msgs = [{"role": "user", "content": "hello"}]
+    r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    streamed = []
+    for ch in c.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                        stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += [e.logprob for e in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-4)
+    status, _, err = _post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs, "top_logprobs": 2})
+    assert status == 400 and "logprobs" in err["error"]["message"]
+
+
+def test_a_model_that_fails_to_load_is_logged_and_the_server_exits_non_zero(tmp_path):
+    from _server_helpers import free_port
+
+    r = subprocess.run([sys.executable, "-m", "skipdecode.cli", "serve", "--model", str(tmp_path / "missing"),
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 1
+    assert "failed to load" in r.stderr and "missing" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_max_model_len_chat_template_and_the_startup_and_stats_lines(chat_model_dir, tmp_path, llm):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    s = Server(chat_model_dir, "--served-model-name", NAME, "--max-model-len", "64", "--chat-template",
+               str(template), "--log-level", "info", "--stats-interval", "0.2")
+    try:
+        status, _, err = _post(s, "/v1/completions", {"model": NAME, "prompt": "x" * 60, "max_tokens": 10}, key=None)
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded" and "64" in err["error"]["message"]
+        status, _, out = _post(s, "/v1/chat/completions",
+                               {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3},
+                               key=None)
+        assert status == 200 and out["usage"]["prompt_tokens"] == len(llm.tokenizer("hello\n")["input_ids"])
+        status, _, out = _post(s, "/v1/chat/completions",  # no max_tokens: what the 64-token context leaves
+                               {"model": NAME, "messages": [{"role": "user", "content": "y" * 40}]}, key=None)
+        assert status == 200 and out["usage"]["total_tokens"] == 64 + 1
+        deadline = time.monotonic() + 20
+        while "generation" not in s.output() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log = s.output()
+        assert "skipdecode: serving" in log and "loaded in" in log and "KV pool" in log
+        assert "tok/s" in log and "decode layers run" in log
+    finally:
+        s.stop()

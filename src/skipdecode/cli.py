@@ -209,6 +209,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         default_speedup=a.default_speedup, default_max_tokens=a.default_max_tokens,
         api_key=a.api_key or os.environ.get("SKIPDECODE_API_KEY") or None, dtype=a.dtype,
         max_model_len=a.max_model_len, chat_template=a.chat_template, stats_interval=a.stats_interval,
+        max_body_bytes=a.max_body_bytes,
         engine=EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_tokens, max_prefill_tokens=a.max_prefill_tokens,
                             policy=a.policy))
     if a.max_queue < 0:
@@ -456,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt + max_tokens a request may ask for (default: the model's context)")
     v.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (file or text) replacing the tokenizer's")
+    v.add_argument("--max-body-bytes", type=POSITIVE, default=4 * 2**20,
+                   help="larger request bodies are refused with 413 (default 4 MiB)")
     v.add_argument("--stats-interval", type=float_arg(0), default=10.0,
                    help="seconds between activity lines in the log (0: none)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")

@@ -30,6 +30,7 @@ more than it saves: such a request then decodes at full depth, like 1x.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -416,6 +417,40 @@ def pool_for(schedules: Sequence[SkipSchedule], prompt_lens: Sequence[int], max_
     return [max(c, 1) for c in caps or []]
 
 
+class _Mailbox:
+    """One request's outputs on their way to an event loop. A consumer that reads
+    slowly (a client draining its stream slowly) finds one merged output, not a
+    queue that grows by one output per step: what is buffered stays bounded by
+    the request's own text, and the engine never waits for a reader."""
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # on the consumer's loop
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            a = self._pending
+            lp = None if item.new_logprobs is None else (a.new_logprobs or []) + item.new_logprobs
+            self._pending = dataclasses.replace(item, new_token_ids=a.new_token_ids + item.new_token_ids,
+                                                text_delta=a.text_delta + item.text_delta, new_logprobs=lp)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        if self._pending is not None:  # outputs first: a finished request's last output precedes any failure
+            out, self._pending = self._pending, None
+            if self._error is not None:
+                self._ready.set()
+            return out
+        raise self._error
+
+
 class AsyncEngine:
     """The engine loop in a background thread, for servers: ``generate`` is an
     async iterator of one request's outputs. A consumer that stops iterating
@@ -425,9 +460,9 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple[Request, asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._inbox: list[tuple[Request, asyncio.AbstractEventLoop, _Mailbox]] = []
         self._aborts: list[str] = []
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="skipdecode-engine", daemon=True)
@@ -452,30 +487,30 @@ class AsyncEngine:
                         self.engine.add(req)
                         self._queues[req.request_id] = (loop, q)
                     except Exception as e:  # noqa: BLE001 - the caller gets it
-                        loop.call_soon_threadsafe(q.put_nowait, e)
+                        loop.call_soon_threadsafe(q.put, e)
                 for rid in aborts:
                     self.engine.abort(rid)
                     self._queues.pop(rid, None)
                 for out in self.engine.step():
                     target = self._queues.get(out.request_id)
                     if target is not None:
-                        target[0].call_soon_threadsafe(target[1].put_nowait, out)
+                        target[0].call_soon_threadsafe(target[1].put, out)
                         if out.finished:
                             self._queues.pop(out.request_id, None)
         except BaseException as e:  # noqa: BLE001 - a dead loop must fail every waiter, not hang them
             self.error = e
             for loop, q in list(self._queues.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"the engine loop failed: {e!r}"))
+                loop.call_soon_threadsafe(q.put, EngineDeadError(f"the engine loop failed: {e!r}"))
             with self._lock:
                 for req, loop, q in self._inbox:
-                    loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"the engine loop failed: {e!r}"))
+                    loop.call_soon_threadsafe(q.put, EngineDeadError(f"the engine loop failed: {e!r}"))
                 self._inbox = []
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Mailbox()
         with self._wake:
             self._inbox.append((request, loop, q))
             self._wake.notify()
@@ -483,8 +518,6 @@ class AsyncEngine:
         try:
             while True:
                 out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
                 yield out
                 if out.finished:
                     finished = True

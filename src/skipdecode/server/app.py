@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -26,6 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine import AsyncEngine, EngineConfig, EngineDeadError, EngineError, RequestOutput
@@ -59,6 +61,7 @@ class ServerConfig:
     api_key: str | None = None
     dtype: str = "float32"
     max_model_len: int | None = None  # cap on prompt + max_tokens per request (default: the model's context)
+    max_body_bytes: int = 4 * 2**20  # larger request bodies are refused (413)
     chat_template: str | None = None  # a Jinja file or template replacing the tokenizer's
     stats_interval: float = 10.0  # seconds between activity lines in the log (0: none)
 
@@ -151,6 +154,60 @@ class Metrics:
             self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
         self.e2e.observe(out.finish_time - out.arrival_time)
         self.speedup.observe(out.decode_layer_speedup)
+
+
+class BodyLimit:
+    """ASGI middleware: a POST body is read whole before routing, and one over
+    ``limit`` bytes (declared or sent) is refused with 413 in OpenAI's shape."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # http.disconnect, for requests that watch their client
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        r = error_response(APIError(413, f"the request body is over {self.limit} bytes", param=None,
+                                    code="request_too_large"))
+        await r(scope, receive, send)
+
+
+class _Slot:
+    """A request's place in flight: taken when it is accepted, given back once."""
+
+    def __init__(self, state: "ServerState"):
+        self.state, self.held = state, True
+        state.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state.in_flight -= 1
 
 
 def read_chat_template(spec: str) -> str:
@@ -283,6 +340,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                              404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
                              503: {"model": ErrorResponse}})
     app.state.skipdecode = state
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     def openapi() -> dict:
         """The schema, with ``model`` limited to the names this server serves."""
@@ -311,6 +369,15 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
             msg = msg[len("Value error, "):]
         return error_response(APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}",
                                        param=loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_r: Request, e: StarletteHTTPException):  # unknown routes, wrong methods, unreadable bodies
+        return error_response(APIError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                                       else "internal_error", headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(RecursionError)
+    async def _deep(_r: Request, e: RecursionError):  # JSON nested deeper than the parser recurses
+        return error_response(APIError(400, "the request body is nested too deeply"))
 
     @app.exception_handler(Exception)
     async def _bug(_r: Request, e: Exception):  # a bug: logged with its traceback, answered in OpenAI's shape
@@ -389,11 +456,10 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         if state.in_flight >= config.engine.max_num_seqs + config.max_queue:
             raise APIError(429, f"the queue is full ({state.in_flight} requests in flight): retry later",
                            "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        return req
+        return req, _Slot(state)  # taken before any await: a burst cannot overshoot the queue
 
-    async def run(req) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; counts it in flight and records its metrics."""
-        state.in_flight += 1
+    async def run(req, slot: "_Slot") -> AsyncIterator[RequestOutput]:
+        """The request's outputs; gives its place in flight back and records its metrics."""
         state.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         finished = False
         try:
@@ -407,28 +473,31 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         except EngineError as e:  # refused at admission by the engine thread
             raise APIError(400, str(e)) from None
         finally:
-            state.in_flight -= 1
+            slot.release()
             if not finished:
                 state.metrics.requests("abort").inc()
 
-    async def collect(req, request: Request) -> RequestOutput:
+    async def collect(req, slot: "_Slot", request: Request) -> RequestOutput:
         """Run to the end; a client that goes away aborts the request."""
         async def consume():
             last = None
-            async for out in run(req):
+            async for out in run(req, slot):
                 last = out
             return last
 
         task = asyncio.ensure_future(consume())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                    pass
-                raise APIError(499, "client disconnected")
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    try:
+                        await task
+                    except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                        pass
+                    raise APIError(499, "client disconnected")
+        finally:
+            slot.release()  # also when the task was cancelled before it ran
         return task.result()
 
     def usage(prompt_len: int, out: RequestOutput) -> dict:
@@ -476,7 +545,12 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream(req, body, kind: str, rid: str, prompt_len: int) -> AsyncIterator[str]:
+    def streaming(req, slot: "_Slot", body, kind: str, rid: str, prompt_len: int) -> StreamingResponse:
+        gen = stream(req, slot, body, kind, rid, prompt_len)
+        weakref.finalize(gen, slot.release)  # a stream never started (its client left first) gives its place back
+        return StreamingResponse(gen, media_type="text/event-stream")
+
+    async def stream(req, slot: "_Slot", body, kind: str, rid: str, prompt_len: int) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         base = {"id": rid, "object": obj, "created": created, "model": body.model}
@@ -501,7 +575,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         if kind == "chat":
             yield sse(chunk("", None, first=True))
         try:
-            async for out in run(req):
+            async for out in run(req, slot):
                 if out.finished:
                     yield sse(chunk(out.text_delta, finish_reason(out), out))
                     if body.stream_options is not None and body.stream_options.include_usage:
@@ -517,14 +591,17 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
         check_ready()
         check_model(body.model)
         if isinstance(body.prompt, str):
-            ids = state.llm.encode(body.prompt, chat=False)
+            try:
+                ids = state.llm.encode(body.prompt, chat=False)
+            except SkipDecodeError as e:
+                raise APIError(400, str(e), param="prompt") from None
         else:
             ids = list(body.prompt)
-        req = make_request(body, ids, body.max_tokens or 16)
+        req, slot = make_request(body, ids, body.max_tokens or 16)
         rid = f"cmpl-{req.request_id}"
         if body.stream:
-            return StreamingResponse(stream(req, body, "completion", rid, len(ids)), media_type="text/event-stream")
-        out = await collect(req, request)
+            return streaming(req, slot, body, "completion", rid, len(ids))
+        out = await collect(req, slot, request)
         choice = {"index": 0, "text": out.text, "logprobs": logprobs_of("completion", out.logprobs),
                   "finish_reason": finish_reason(out)}
         if body.trace:
@@ -547,13 +624,15 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
             ids = encode_messages(state.llm.tokenizer, msgs)
         except TemplateError as e:  # e.g. a template that wants roles to alternate
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except SkipDecodeError as e:  # text no tokenizer can encode (lone surrogates)
+            raise APIError(400, str(e), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(1, min(config.default_max_tokens, state.max_model_len - len(ids) + 1))
-        req = make_request(body, ids, max_tokens)
+        req, slot = make_request(body, ids, max_tokens)
         rid = f"chatcmpl-{req.request_id}"
         if body.stream:
-            return StreamingResponse(stream(req, body, "chat", rid, len(ids)), media_type="text/event-stream")
-        out = await collect(req, request)
+            return streaming(req, slot, body, "chat", rid, len(ids))
+        out = await collect(req, slot, request)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                   "logprobs": logprobs_of("chat", out.logprobs), "finish_reason": finish_reason(out)}
         if body.trace:
