@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shipped `default-e2e`: the recipe of the quality table's row "trained
+# The shipped `default-e2e` (recipes/default-e2e.yaml): the recipe of the quality table's row "trained
 # front-loaded, 600 steps" (benchmarks/results/quality.md), trained longer, on
 # the name-disjoint E2E training split: LoRA r=32 (alpha 64) on all block
 # linears, 900 steps of 16, lr 1e-3, one checkpoint for 1x-5x with 1x drawn
@@ -16,9 +16,8 @@ RUN=runs/default-e2e-900
 SHIP=src/skipdecode/models/default-e2e
 R=benchmarks/results
 
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --model default --data e2e-names --lora \
-  --lora-r 32 --lora-alpha 64 --horizon 3 --decay 5 --speedups 1,1,2,3,4,5 --steps 900 --batch-size 16 --lr 1e-3 \
-  --save-every 25 --no-progress -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/default-e2e.yaml \
+  -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
 mkdir -p "$SHIP"
 for f in adapter_config.json adapter_model.safetensors skipdecode.json train_log.jsonl; do
   cp "$RUN/$f" "$SHIP/$f.tmp" && mv "$SHIP/$f.tmp" "$SHIP/$f"

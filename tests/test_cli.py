@@ -4,6 +4,7 @@ tokenizer: JSON output, the per-token trace, schedule files, streaming."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +179,41 @@ def test_bad_requests_file_is_a_one_line_error(tiny_cli_dir, capsys, tmp_path, l
     assert main(["generate", "--model", str(tiny_cli_dir), "--requests", str(f)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("skipdecode: error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_train_flags_are_derived_from_the_config_and_a_recipe_file_equals_its_flags(capsys):
+    from dataclasses import fields
+
+    from skipdecode.cli import main as cli_main, train_parser
+    from skipdecode.training.config import TrainConfig
+
+    flags = {o for a in train_parser()._actions for o in a.option_strings}
+    for f in fields(TrainConfig):
+        assert f"--{f.name.replace('_', '-')}" in flags and f.metadata["help"], f.name
+    root = Path(__file__).resolve().parents[1]
+    assert cli_main(["train", "--config", str(root / "recipes" / "default-e2e.yaml"), "--print-config"]) == 0
+    recipe = capsys.readouterr().out
+    assert cli_main(["train", "--model", "default", "--data", "e2e-names", "--lora", "--lora-r", "32", "--lora-alpha",
+                     "64", "--horizon", "3", "--decay", "5", "--speedups", "1,1,2,3,4,5", "--steps", "900",
+                     "--batch-size", "16", "--lr", "1e-3", "--save-every", "25", "--no-progress",
+                     "--print-config"]) == 0
+    assert capsys.readouterr().out == recipe
+    assert cli_main(["train", "--config", str(root / "recipes" / "default-e2e.yaml"), "--lora-r", "8",
+                     "--print-config"]) == 0
+    assert "lora_r: 8\n" in capsys.readouterr().out  # a flag overrides the recipe
+
+
+def test_a_recipe_with_an_unknown_or_mistyped_setting_is_a_one_line_error(tmp_path, capsys):
+    from skipdecode.cli import main as cli_main
+
+    bad = tmp_path / "bad.yaml"
+    for text, want in (("lora_rank: 8\n", "unknown setting(s) ['lora_rank']"), ("- 1\n", "must be a mapping"),
+                       ("steps: [\n", "not valid YAML"), ("lora_r: many\n", "lora_r")):
+        bad.write_text(text)
+        try:
+            code = cli_main(["train", "--config", str(bad), "-o", str(tmp_path / "run"), "--model",
+                             str(tmp_path / "no-model")])
+        except SystemExit as e:  # argparse's own one-line error (a value its type refuses)
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and want in err and "Traceback" not in err, err

@@ -93,6 +93,19 @@ def build_dir(out: Path | str, build: Callable[[Path], None]) -> Path:
 
 
 @contextlib.contextmanager
+def locked(path: Path | str, timeout: float = 1800) -> Iterator[None]:
+    """Hold an inter-process lock on ``path`` (a ``filelock`` lock file beside it): caches
+    that Ray replicas or torchrun ranks fill at once are read, checked and written by one
+    process at a time, so the others reuse its work instead of redoing it."""
+    from filelock import FileLock
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f".{path.name}.lock"), timeout=timeout):
+        yield
+
+
+@contextlib.contextmanager
 def temp_dir(parent: Path | str, name: str = "work") -> Iterator[Path]:
     """A temporary directory inside ``parent`` (same filesystem, so renames out of it are atomic),
     removed afterwards; a killed process's is swept by the next write there."""

@@ -55,6 +55,16 @@ def shipped_adapter(name: str) -> Path:
 SHIPPED_MODELS = {"default-e2e": "the default model fine-tuned with SkipDecode schedules on E2E (LoRA)"}
 
 
+def stage_bar(desc: str, stages: int):
+    """A progress bar over the stages of a one-time job (shown on a terminal only)."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=stages, desc=desc, unit="stage", file=sys.stderr, disable=None, leave=False,
+                bar_format="{desc}: {n}/{total} {bar} {elapsed}")
+
+
 def _file_key(*files: Path) -> str:
     h = hashlib.sha1()
     for f in files:
@@ -98,7 +108,13 @@ def merge_adapter(adapter: Path, out: Path) -> Path:
         return out
     from .lora import merge_lora  # peft is only needed here
 
-    return atomic.build_dir(out, lambda tmp: merge_lora(adapter, tmp))
+    with atomic.locked(out):
+        if (out / "config.json").is_file():  # another process merged it while we waited
+            return out
+        with stage_bar(f"skipdecode: merging the LoRA adapter {adapter.name} into its base (once)", 1) as bar:
+            atomic.build_dir(out, lambda tmp: merge_lora(adapter, tmp))
+            bar.update()
+        return out
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
@@ -117,17 +133,25 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     def build(tmp: Path) -> None:
-        hf_cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        with torch.device("meta"):  # only names and shapes are needed to map tensors
-            skeleton = AutoModelForCausalLM.from_config(hf_cfg)
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
-                  metadata={"format": "pt"})
-        hf_cfg.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        with stage_bar(f"skipdecode: converting {gguf.name} to safetensors (once)", 4) as bar:
+            hf_cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            with torch.device("meta"):  # only names and shapes are needed to map tensors
+                skeleton = AutoModelForCausalLM.from_config(hf_cfg)
+            bar.update()
+            tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+            bar.update()
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
+                      metadata={"format": "pt"})
+            bar.update()
+            hf_cfg.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+            bar.update()
 
     try:
-        return atomic.build_dir(out, build)
+        with atomic.locked(out):
+            if (out / "model.safetensors").is_file():  # another process converted it while we waited
+                return out
+            return atomic.build_dir(out, build)
     except (ValueError, struct.error, KeyError, IndexError, TypeError, EOFError, OverflowError, MemoryError) as e:
         raise ModelError(f"cannot read {gguf}: it is truncated or corrupt ({type(e).__name__}: {e}); "
                          "download it again") from None

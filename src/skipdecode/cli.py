@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 
 from .errors import SkipDecodeError
 from .schedule import parse_speedups
@@ -240,101 +241,123 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(cfg, host=a.host, port=a.port, grace=a.grace, log_level=a.log_level)
 
 
-def add_train_cli(subparsers) -> argparse.ArgumentParser:
-    """Register the ``train`` verb on the ``skipdecode`` command line."""
-    from .training.config import TrainConfig
-    from .validation import VAL_GROUPS
+@dataclass
+class TrainCommand:
+    """Options of ``skipdecode train`` that are not settings of the run."""
 
-    d = TrainConfig()
-    t = subparsers.add_parser(
-        "train", help="skip-aware fine-tuning (full or LoRA) with the inference schedule(s)",
-        description="Teacher-forced fine-tuning where target position i runs exactly the layers of b(i), "
-                    "as at generation. Writes a Hugging Face directory (or a PEFT adapter) to --output-dir.")
-    t.add_argument("--model", default=d.model, help="'default', a local HF directory or a .gguf file")
-    t.add_argument("--data", default=d.data,
-                   help="e2e | e2e-names | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
-    t.add_argument("--output-dir", "-o", default=None, help="where the run writes (required unless measuring)")
-    s = t.add_mutually_exclusive_group()
-    s.add_argument("--speedups", type=parse_speedups, default=d.speedups,
-                   help="schedule targets drawn per batch, e.g. 1,2,3,4,5 (default 1,2,3); a target listed "
-                        "twice is drawn twice as often")
-    s.add_argument("--schedule", dest="schedule_file", help="a fixed schedule JSON file instead")
-    t.add_argument("--mode", choices=["skip", "early_exit"], default=d.mode)
-    t.add_argument("--warmup-layers", type=NON_NEGATIVE, default=d.warmup_layers)
-    t.add_argument("--horizon", type=POSITIVE, default=None, help="decay horizon H (default: expected new tokens - 1)")
-    t.add_argument("--decay", type=float_arg(1), default=d.decay,
-                   help="solved schedules: preferred first budget / mean budget, >= 1 (1 = flat; default 1.5; "
-                        "with a short --horizon, a decay >= the target starts at full depth)")
-    t.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
-                   help="length the schedules are solved for (default: median target length of the data)")
-    t.add_argument("--distill", type=float_arg(0, 1), default=d.distill,
-                   help="self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
-                        "each skipped step by KL on target tokens; the rest is cross-entropy (default 0)")
-    t.add_argument("--distill-temperature", type=float_arg(0, lo_open=True), default=d.distill_temperature)
-    t.add_argument("--lora", action="store_true", help="train LoRA adapters on wqkv, wo, w13, w2 (peft)")
-    t.add_argument("--lora-r", type=POSITIVE, default=d.lora_r)
-    t.add_argument("--lora-alpha", type=POSITIVE, default=d.lora_alpha)
-    t.add_argument("--lora-dropout", type=float_arg(0, 1, hi_open=True), default=d.lora_dropout)
-    t.add_argument("--lora-norms", action="store_true",
-                   help="LoRA: also train the weight of every norm (saved whole in the adapter)")
-    t.add_argument("--merge", action="store_true", help="LoRA: also write the merged model to OUTPUT/merged")
-    t.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) "
-                        "instead of replicating them (DDP); full fine-tuning")
-    t.add_argument("--mixed-precision", choices=["no", "bf16"], default=d.mixed_precision,
-                   help="bf16: matmuls and attention in bfloat16 (torch.autocast), faster steps where the CPU has "
-                        "AMX or AVX-512-BF16; weights, gradients and optimizer state stay fp32 (default: no)")
-    t.add_argument("--steps", type=POSITIVE, default=None, help="optimizer steps (default: --epochs over the data)")
-    t.add_argument("--epochs", type=float_arg(0, lo_open=True), default=d.epochs)
-    t.add_argument("--batch-size", type=POSITIVE, default=d.batch_size, help="global examples per optimizer step")
-    t.add_argument("--grad-accum", type=POSITIVE, default=d.grad_accum, help="micro-batches per step and rank")
-    t.add_argument("--lr", type=float_arg(0, lo_open=True), default=None,
-                   help="peak learning rate (default 1e-4, LoRA 5e-4)")
-    t.add_argument("--weight-decay", type=float_arg(0), default=d.weight_decay)
-    t.add_argument("--warmup-steps", type=NON_NEGATIVE, default=None, help="linear LR warm-up (default 5%% of steps)")
-    t.add_argument("--min-lr-ratio", type=float_arg(0, 1), default=d.min_lr_ratio)
-    t.add_argument("--max-grad-norm", type=float_arg(0), default=d.max_grad_norm, help="0 disables clipping")
-    t.add_argument("--seed", type=SEED, default=d.seed)
-    t.add_argument("--max-length", type=POSITIVE, default=None)
-    t.add_argument("--val-groups", type=VAL_GROUPS, default=None,
-                   help="held-out groups (E2E MRs; default 60) or a fraction < 1")
-    chat = t.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None)
-    chat.add_argument("--no-chat", dest="chat", action="store_false")
-    t.add_argument("--eval-examples", type=NON_NEGATIVE, default=d.eval_examples)
-    t.add_argument("--save-every", type=NON_NEGATIVE, default=d.save_every, help="checkpoint every N steps (0: never)")
-    t.add_argument("--keep-checkpoints", type=POSITIVE, default=d.keep_checkpoints)
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
-    t.add_argument("--overwrite", action="store_true", help="discard a previous run in --output-dir")
-    t.add_argument("--no-progress", dest="progress", action="store_false")
-    t.add_argument("--measure-step-time", action="store_true",
-                   help="only time one training step at full depth vs --measure-speedup on one batch")
-    t.add_argument("--measure-speedup", type=float_arg(1), default=3.0)
-    t.add_argument("--measure-repeats", type=POSITIVE, default=3)
+    config: str | None = field(default=None, metadata={
+        "help": "a recipe file (YAML) of TrainConfig fields, e.g. recipes/default-e2e.yaml; flags override it"})
+    print_config: bool = field(default=False, metadata={
+        "help": "print the run's settings (recipe + flags) as YAML and exit"})
+    measure_step_time: bool = field(default=False, metadata={
+        "help": "only time one training step at full depth vs --measure-speedup on one batch"})
+    measure_speedup: float = field(default=3.0, metadata={"help": "the target --measure-step-time compares"})
+    measure_repeats: int = field(default=3, metadata={"help": "repeats of --measure-step-time"})
+
+
+def train_parser():
+    """``skipdecode train``'s parser, derived from ``TrainConfig`` and ``TrainCommand``."""
+    from transformers import HfArgumentParser
+
+    from .training.config import TrainConfig
+
+    class _Parser(HfArgumentParser):
+        def error(self, message: str):  # type: ignore[override]
+            sys.stderr.write(f"skipdecode train: error: {message} (see skipdecode train --help)\n")
+            sys.exit(2)
+
+    p = _Parser((TrainConfig, TrainCommand), prog="skipdecode train",
+                description="Teacher-forced fine-tuning where target position i runs exactly the layers of b(i), "
+                            "as at generation. Writes a Hugging Face directory (or a PEFT adapter) to --output-dir. "
+                            "Every flag is a field of TrainConfig; --config reads them from a recipe file.")
+    p.set_defaults(output_dir=None)  # required unless measuring or printing: no silent default location
+    return p
+
+
+def _train_argv(argv: list[str]) -> list[str]:
+    """The flag spellings argparse alone would not take: ``--speedups 1,2,3`` and ``--no-chat``."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--no-chat":
+            out += ["--chat", "false"]
+        elif a.split("=", 1)[0] == "--speedups":
+            v = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in a else 1
+            out += ["--speedups", *[x for x in v.split(",") if x]] if v else ["--speedups"]
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def read_recipe(path: str) -> dict:
+    """A recipe's settings: a YAML mapping of TrainConfig field names."""
+    from dataclasses import fields
+
+    import yaml
+
+    from .training.config import TrainConfig, TrainError
+
+    try:
+        cfg = yaml.safe_load(open(path, encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise TrainError(f"{path} is not valid YAML: {e}") from None
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, dict):
+        raise TrainError(f"{path} must be a mapping of settings (name: value), got {type(cfg).__name__}")
+    known = {f.name: f for f in fields(TrainConfig)}
+    unknown = sorted(str(k) for k in set(cfg) - set(known))
+    if unknown:
+        raise TrainError(f"{path}: unknown setting(s) {unknown}; known: {sorted(known)}")
+
+    def number(v):  # YAML's 5 where the setting is a float, as the flag --decay 5 gives
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    for k, v in cfg.items():
+        if "float" in str(known[k].type):
+            cfg[k] = [number(x) for x in v] if isinstance(v, list) else number(v)
+    return cfg
+
+
+def add_train_cli(subparsers) -> argparse.ArgumentParser:
+    """Register the ``train`` verb: its flags are parsed by ``train_parser``."""
+    t = subparsers.add_parser("train", add_help=False, prefix_chars="\0",
+                              help="skip-aware fine-tuning (full or LoRA) with the inference schedule(s)")
+    t.add_argument("argv", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
     return t
 
 
 def cmd_train(a: argparse.Namespace) -> int:
     import os
-    from dataclasses import fields
+    from dataclasses import asdict
 
-    from .training import TrainConfig, train
+    from .training import train
     from .training.loop import measure_cli
 
-    names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(a).items() if k in names and v is not None or k == "chat"})
-    if a.output_dir is None and not a.measure_step_time:
-        print("skipdecode: error: give --output-dir (-o) for the trained model", file=sys.stderr)
+    p = train_parser()
+    argv = _train_argv(a.argv)
+    pre, _ = p.parse_known_args(argv)
+    if pre.config:
+        p.set_defaults(**read_recipe(pre.config))
+    cfg, cmd = p.parse_args_into_dataclasses(argv)
+    if cmd.print_config:
+        import yaml
+
+        print(yaml.safe_dump(asdict(cfg), sort_keys=False), end="")
+        return 0
+    if cfg.output_dir is None and not cmd.measure_step_time:
+        print("skipdecode train: error: give --output-dir (-o) for the trained model", file=sys.stderr)
         return 2
-    try:
-        if a.measure_step_time:
-            print(json.dumps(measure_cli(cfg, a.measure_speedup, a.measure_repeats), indent=2))
-            return 0
-        r = train(cfg)
-    except SkipDecodeError as e:
-        print(f"skipdecode: error: {e}", file=sys.stderr)
+    if cmd.measure_speedup < 1 or cmd.measure_repeats < 1:
+        print("skipdecode train: error: --measure-speedup must be >= 1 and --measure-repeats >= 1", file=sys.stderr)
         return 2
+    if cmd.measure_step_time:
+        print(json.dumps(measure_cli(cfg, cmd.measure_speedup, cmd.measure_repeats), indent=2))
+        return 0
+    r = train(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun, rank 0 reports
     print(json.dumps({"output_dir": str(r.output_dir), "steps": r.steps,
@@ -342,7 +365,6 @@ def cmd_train(a: argparse.Namespace) -> int:
                       "validation_loss": r.validation_loss,
                       "merged_dir": str(r.merged_dir) if r.merged_dir else None}))
     return 0
-
 
 
 class Parser(argparse.ArgumentParser):

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -149,7 +150,10 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
         run_lib = lambda x, wl: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
             x.to(dt), wl, None, "none", [], "").float()
     res: dict[str, list[float]] = {hand: [], lib: []}
-    for m in BUCKETS:
+    from tqdm import tqdm
+
+    for m in tqdm(BUCKETS, desc=f"skipdecode: timing kernels for {out_features}x{in_features} {weights} "
+                                f"(once per machine)", unit="size", file=sys.stderr, disable=None, leave=False):
         x = torch.randn(m, in_features)
         n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))  # big shapes: fewer repeats
         nxt = iter(range(10 ** 9))
@@ -188,25 +192,40 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
     if (key, shape) in _TUNED:
         return _TUNED[(key, shape)]
     path = _cache_file()
-    try:
-        table = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        table = {}  # a damaged cache is re-measured, never trusted
-    entry = table.get(key, {}).get(shape) if isinstance(table.get(key), dict) else None
     fs = forms(weights)
-    ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) and set(entry["plan"]) <= set(fs) \
-        and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in fs)
-    if not ok:
-        timings = time_forms(out_features, in_features, kernel_module, weights=weights)
-        entry = {"plan": list(choose(timings)), "buckets": list(BUCKETS),
-                 "seconds": {f: [round(t, 7) for t in v] for f, v in timings.items()}}
-        table.setdefault(key, {})[shape] = entry
-        try:
-            from . import atomic
 
-            atomic.write_text(path, json.dumps(table, indent=1) + "\n")
-        except OSError:
-            pass  # a read-only cache: the plan still holds for this process
+    def cached() -> tuple[dict, dict | None]:
+        try:
+            table = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            table = {}  # a damaged cache is re-measured, never trusted
+        entry = table.get(key, {}).get(shape) if isinstance(table.get(key), dict) else None
+        ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) \
+            and set(entry["plan"]) <= set(fs) and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS)
+                                                      for f in fs)
+        return table, entry if ok else None
+
+    table, entry = cached()
+    if entry is None:
+        from contextlib import ExitStack
+
+        from . import atomic
+
+        with ExitStack() as held:
+            try:
+                held.enter_context(atomic.locked(path))
+            except OSError:
+                pass  # a read-only cache: measure for this process alone
+            table, entry = cached()  # another process may have measured it while we waited
+            if entry is None:
+                timings = time_forms(out_features, in_features, kernel_module, weights=weights)
+                entry = {"plan": list(choose(timings)), "buckets": list(BUCKETS),
+                         "seconds": {f: [round(t, 7) for t in v] for f, v in timings.items()}}
+                table.setdefault(key, {})[shape] = entry
+                try:
+                    atomic.write_text(path, json.dumps(table, indent=1) + "\n")
+                except OSError:
+                    pass  # a read-only cache: the plan still holds for this process
     _TUNED[(key, shape)] = entry
     return entry
 

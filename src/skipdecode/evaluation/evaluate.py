@@ -12,9 +12,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from tqdm import tqdm
 
 from .. import atomic
 from ..data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
@@ -88,7 +91,8 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", spe
                                   warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp, decay=decay)
         t = time.perf_counter()
         outs = []
-        for i in range(0, len(items), batch_size):
+        for i in tqdm(range(0, len(items), batch_size), desc=f"skipdecode evaluate {task} {sp:g}x", unit="batch",
+                      file=sys.stderr, disable=None, leave=False):
             outs += llm.generate([it.prompt for it in items[i:i + batch_size]], schedule=sched,
                                  max_new_tokens=max_new)
         seconds = time.perf_counter() - t

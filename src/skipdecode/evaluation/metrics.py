@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -59,36 +60,62 @@ def _check_paired(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[
                          f"baseline outputs, {len(refs)} reference sets")
 
 
-def _intervals(sa: Any, sb: Any, level: float) -> dict[str, list[float]]:
-    """Percentile intervals of the ratio and the difference of two systems' resampled scores."""
+def _paired_intervals(a: Any, b: Any, score: Any, resamples: int, seed: int, level: float) -> dict[str, list[float]]:
+    """Percentile intervals of ``score(a) / score(b)`` and ``score(a) - score(b)`` by
+    ``scipy.stats.bootstrap`` over items: ``a``/``b`` hold one row of per-item statistics
+    per item, both systems resampled with the same items."""
     import numpy as np
+    from scipy.stats import DegenerateDataWarning, bootstrap
 
+    def stat(idx: Any) -> Any:
+        idx = idx.astype(int)
+        sa, sb = score(a[idx]), score(b[idx])
+        return np.array([sa / sb if sb > 0 else np.nan, sa - sb])
+
+    with warnings.catch_warnings():  # scipy warns of its own interval on degenerate data; it is not used
+        warnings.simplefilter("ignore", DegenerateDataWarning)
+        dist = bootstrap((np.arange(len(a)),), stat, vectorized=False, n_resamples=resamples, method="percentile",
+                         confidence_level=level, random_state=np.random.default_rng(seed)).bootstrap_distribution
+    # the percentile interval of scipy's resamples, taken here so a resample whose baseline scores 0 (a ratio
+    # of nan) is left out and a distribution with no spread gives its one value (scipy answers nan to both)
     q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
-    ratio = np.divide(sa, sb, out=np.full_like(sa, np.nan), where=sb > 0)
-    return {"ratio": [round(float(x), 4) for x in np.nanpercentile(ratio, q)],
-            "difference": [round(float(x), 3) for x in np.percentile(sa - sb, q)]}
+    ratio, diff = np.nanpercentile(dist[0], q), np.percentile(dist[1], q)
+    return {"ratio": [round(float(x), 4) for x in ratio], "difference": [round(float(x), 3) for x in diff]}
+
+
+def bleu_item_stats(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> Any:
+    """Per item: n-gram matches and totals (orders 1-4), hypothesis and closest reference
+    length, from sacrebleu's public ``BLEU.corpus_score`` on that one item."""
+    import numpy as np
+    from sacrebleu.metrics import BLEU
+
+    bleu = BLEU()
+    rows = []
+    for h, r in zip(hyps, refs):
+        s = bleu.corpus_score([h], [[x] for x in r])
+        rows.append(list(s.counts) + list(s.totals) + [s.sys_len, s.ref_len])
+    return np.asarray(rows, dtype=np.int64)
+
+
+def bleu_from_stats(stats: Any) -> float:
+    """Corpus BLEU of items' summed statistics (sacrebleu's public ``BLEU.compute_bleu``)."""
+    from sacrebleu.metrics import BLEU
+
+    t = stats.sum(0).tolist()
+    return BLEU.compute_bleu(t[:4], t[4:8], int(t[8]), int(t[9])).score
 
 
 def paired_bleu_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]],
                           resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, list[float]]:
     """Percentile intervals of ``BLEU(hyps) / BLEU(base_hyps)`` and of their difference, by paired
-    bootstrap over items (sacrebleu's per-sentence statistics, as ``sacrebleu --paired-bs`` does).
+    bootstrap over items (per-item BLEU statistics, summed per resample, as ``sacrebleu --paired-bs`` does).
 
     On a split of a few dozen items a few BLEU points are noise; the interval says how many, so a
     "kept" figure can be read against its goal. Both systems must answer the same items in order.
     """
-    import numpy as np
-    from sacrebleu.metrics import BLEU
-
     _check_paired(hyps, base_hyps, refs)
-    streams = reference_streams(refs)
-    bleu = BLEU()
-    a = np.asarray(bleu._extract_corpus_statistics(list(hyps), streams))
-    b = np.asarray(bleu._extract_corpus_statistics(list(base_hyps), streams))
-    idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
-    sa = np.array([bleu._compute_score_from_stats(a[i].sum(0)).score for i in idx])
-    sb = np.array([bleu._compute_score_from_stats(b[i].sum(0)).score for i in idx])
-    return _intervals(sa, sb, level)
+    return _paired_intervals(bleu_item_stats(hyps, refs), bleu_item_stats(base_hyps, refs), bleu_from_stats,
+                             resamples, seed, level)
 
 
 def paired_rouge_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: Sequence[Sequence[str]],
@@ -100,8 +127,7 @@ def paired_rouge_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: 
     _check_paired(hyps, base_hyps, refs)
     a = np.asarray(rouge_l_per_item(hyps, refs)) * 100
     b = np.asarray(rouge_l_per_item(base_hyps, refs)) * 100
-    idx = np.random.default_rng(seed).integers(0, len(refs), size=(resamples, len(refs)))
-    return _intervals(a[idx].mean(1), b[idx].mean(1), level)
+    return _paired_intervals(a, b, lambda x: float(x.mean()), resamples, seed, level)
 
 
 # every metric with a paired bootstrap, by its key in a score dict: evaluate, compare and report all pick from here

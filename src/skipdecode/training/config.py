@@ -28,57 +28,76 @@ class TrainError(SkipDecodeError):
     """A training run that cannot start or continue as asked."""
 
 
+def _opt(default, help: str, **meta):
+    """A setting with its ``--help`` text: the command line is derived from these
+    fields (``transformers.HfArgumentParser``), never kept by hand beside them."""
+    if isinstance(default, list):
+        return field(default_factory=lambda d=tuple(default): list(d), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass
 class TrainConfig:
-    """Every setting of a run; ``skipdecode.json`` records it next to the weights."""
+    """Every setting of a run; ``skipdecode.json`` records it next to the weights.
+    ``skipdecode train`` takes each field as a flag (``--lora-r 32``) or from a
+    recipe file (``--config recipes/default-e2e.yaml``)."""
 
-    model: str = "default-e2e"  # the shipped skip-trained model; "default" is the base it was trained from
-    data: str = "e2e"  # e2e | scitldr | a .jsonl of prompt/target | an E2E-style .csv
-    output_dir: str = "runs/train"
+    model: str = _opt("default-e2e", "'default-e2e' (shipped, skip-trained), 'default' (its base), a local HF "
+                                     "directory or a .gguf file")
+    data: str = _opt("e2e", "e2e | e2e-names | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
+    output_dir: str = _opt("runs/train", "where the run writes its checkpoints and the trained model",
+                           aliases=["-o"])
     # schedules
-    speedups: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])
-    schedule_file: str | None = None  # a fixed schedule instead of --speedups
-    mode: str = "skip"
-    warmup_layers: int = 1
+    speedups: list[float] = _opt([1.0, 2.0, 3.0], "schedule targets drawn per batch, e.g. 1,2,3,4,5; a target "
+                                                   "listed twice is drawn twice as often")
+    schedule_file: str | None = _opt(None, "a fixed schedule JSON file instead of --speedups",
+                                     aliases=["--schedule"])
+    mode: str = _opt("skip", "skip (the lower layers) or early_exit (the upper ones)",
+                     choices=["skip", "early_exit"])
+    warmup_layers: int = _opt(1, "layers every token runs before the skipped block")
     # self-distillation: the same model at full depth (no gradient) teaches each skipped step
-    distill: float = 0.0  # weight of KL(full depth || skipped) on target tokens; 1 - distill on cross-entropy
-    distill_temperature: float = 1.0
-    horizon: int | None = None  # default: expected_new_tokens - 1 (SkipSchedule.for_speedup)
-    decay: float = DEFAULT_DECAY  # preferred first budget / mean budget of solved schedules (1 = flat)
-    expected_new_tokens: int | None = None  # default: median target length of the training data
+    distill: float = _opt(0.0, "self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
+                               "each skipped step by KL on target tokens; the rest is cross-entropy")
+    distill_temperature: float = _opt(1.0, "temperature of the distillation KL")
+    horizon: int | None = _opt(None, "decay horizon H (default: expected new tokens - 1)")
+    decay: float = _opt(DEFAULT_DECAY, "solved schedules: preferred first budget / mean budget, >= 1 (1 = flat); "
+                                       "with a short --horizon, a decay >= the target starts at full depth")
+    expected_new_tokens: int | None = _opt(None, "length the schedules are solved for (default: median target "
+                                                 "length of the data)")
     # parameters
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_norms: bool = False  # LoRA: also train every norm's weight whole (a few KB per layer)
-    merge: bool = False  # LoRA: also write the merged full model to output_dir/merged
-    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2), not DDP
-    # "bf16": forward and backward matmuls in bfloat16 under torch.autocast (fast where the CPU has AMX or
-    # AVX-512-BF16); weights, gradients, optimizer state and the loss stay fp32
-    mixed_precision: str = "no"
+    lora: bool = _opt(False, "train LoRA adapters on wqkv, wo, w13, w2 (peft) instead of every weight")
+    lora_r: int = _opt(16, "LoRA rank")
+    lora_alpha: int = _opt(32, "LoRA alpha")
+    lora_dropout: float = _opt(0.05, "LoRA dropout")
+    lora_norms: bool = _opt(False, "LoRA: also train every norm's weight whole (a few KB per layer)")
+    merge: bool = _opt(False, "LoRA: also write the merged full model to OUTPUT_DIR/merged")
+    fsdp: bool = _opt(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of "
+                             "replicating them (DDP); full fine-tuning")
+    mixed_precision: str = _opt("no", "bf16: matmuls and attention in bfloat16 (torch.autocast), faster where the "
+                                      "CPU has AMX or AVX-512-BF16; weights, gradients, optimizer state and the "
+                                      "loss stay fp32", choices=list(MIXED_PRECISION))
     # optimization
-    steps: int | None = None  # optimizer steps; default: epochs over the training data
-    epochs: float = 1.0
-    batch_size: int = 16  # global examples per optimizer step (all ranks, all micro-batches)
-    grad_accum: int = 1
-    lr: float | None = None  # default 1e-4 full fine-tuning, 5e-4 LoRA
-    weight_decay: float = 0.0
-    warmup_steps: int | None = None  # default: 5% of the steps
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    max_grad_norm: float = 1.0
-    seed: int = 0
+    steps: int | None = _opt(None, "optimizer steps (default: --epochs over the training data)")
+    epochs: float = _opt(1.0, "passes over the training data when --steps is unset")
+    batch_size: int = _opt(16, "global examples per optimizer step (all ranks, all micro-batches)")
+    grad_accum: int = _opt(1, "micro-batches per step and rank")
+    lr: float | None = _opt(None, "peak learning rate (default 1e-4; LoRA 5e-4)")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    warmup_steps: int | None = _opt(None, "linear learning-rate warm-up (default: 5%% of the steps)")
+    min_lr_ratio: float = _opt(0.0, "the cosine schedule decays to lr * min_lr_ratio")
+    max_grad_norm: float = _opt(1.0, "gradient clipping (0 disables it)")
+    seed: int = _opt(0, "seed of data order, schedule draws and LoRA init")
     # data
-    max_length: int | None = None  # drop longer examples; default: the model's context
-    val_groups: float | None = None  # held-out groups (E2E: 60 MRs); a fraction if < 1
-    chat: bool | None = None  # None: use the chat template when the tokenizer has one
-    eval_examples: int = 32  # validation loss per schedule at the end (0: none)
+    max_length: int | None = _opt(None, "drop longer examples (default: the model's context)")
+    val_groups: float | None = _opt(None, "held-out groups (E2E: MRs, default 60), or a fraction < 1")
+    chat: bool | None = _opt(None, "use the chat template (default: when the tokenizer has one)")
+    eval_examples: int = _opt(32, "validation loss per schedule at the end (0: none)")
     # checkpoints and output
-    save_every: int = 50
-    keep_checkpoints: int = 1
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
+    save_every: int = _opt(50, "checkpoint every N steps (0: never)")
+    keep_checkpoints: int = _opt(1, "checkpoints kept")
+    resume: bool = _opt(False, "continue from the last checkpoint in --output-dir")
+    overwrite: bool = _opt(False, "discard a previous run in --output-dir")
+    progress: bool = _opt(True, "a progress bar")
 
     def validate(self) -> "TrainConfig":
         """Every field typed, finite and in range (the API's one check; the CLI's flags match it)."""
