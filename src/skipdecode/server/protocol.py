@@ -17,7 +17,7 @@ keys (a typo there would silently change the schedule).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
