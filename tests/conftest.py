@@ -192,3 +192,18 @@ def drive(eng, arrivals: dict[int, list[dict]], plans: list | None = None, check
         assert eng.pool.used_slots <= sum(eng.pool.capacities)
         assert eng.num_running <= eng.config.max_num_seqs
     return done
+
+
+def build_chat_model(d: Path, seed: int, layers: int, chat_template: str) -> Path:
+    """A tiny Llama a server can run: 512 positions, the byte-level tokenizer with
+    ``chat_template``, and EOS (id 256) never winning greedy, so requests run to max_tokens."""
+    m = build_tiny("llama", d, seed=seed, **dict(_LLAMA, vocab_size=264, num_hidden_layers=layers,
+                                                   max_position_embeddings=512, tie_word_embeddings=False,
+                                                   eos_token_id=256))
+    with torch.no_grad():
+        m.lm_head.weight[256].zero_()
+    m.save_pretrained(d)
+    tok = byte_tokenizer()
+    tok.chat_template = chat_template
+    tok.save_pretrained(d)
+    return d

@@ -18,10 +18,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 from _server_helpers import Server
-from conftest import _LLAMA, build_tiny, byte_tokenizer
+from conftest import build_chat_model
 from skipdecode.schedule import SkipSchedule
 
 openai = pytest.importorskip("openai")
@@ -35,17 +34,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
     """6 layers, 512 positions, a byte-level tokenizer with a chat template; EOS never wins greedy."""
-    d = tmp_path_factory.mktemp("serve") / "llama"
-    m = build_tiny("llama", d, seed=11, **dict(_LLAMA, vocab_size=264, num_hidden_layers=6,
-                                                 max_position_embeddings=512, tie_word_embeddings=False,
-                                                 eos_token_id=256))
-    with torch.no_grad():
-        m.lm_head.weight[256].zero_()
-    m.save_pretrained(d)
-    tok = byte_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(d)
-    return d
+    return build_chat_model(tmp_path_factory.mktemp("serve") / "llama", seed=11, layers=6,
+                            chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

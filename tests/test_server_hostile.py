@@ -12,10 +12,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 from _server_helpers import Server
-from conftest import _LLAMA, build_tiny, byte_tokenizer
+from conftest import build_chat_model
 
 KEY = "sk-hostile"
 NAME = "tiny"
@@ -24,17 +23,8 @@ SEQS, QUEUE = 3, 3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hostile") / "llama"
-    m = build_tiny("llama", d, seed=5, **dict(_LLAMA, vocab_size=264, num_hidden_layers=4,
-                                                max_position_embeddings=512, tie_word_embeddings=False,
-                                                eos_token_id=256))
-    with torch.no_grad():
-        m.lm_head.weight[256].zero_()  # EOS never wins greedy: requests run to max_tokens
-    m.save_pretrained(d)
-    tok = byte_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    tok.save_pretrained(d)
-    return d
+    return build_chat_model(tmp_path_factory.mktemp("hostile") / "llama", seed=5, layers=4,
+                            chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
 
 
 @pytest.fixture(scope="module")

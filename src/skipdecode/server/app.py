@@ -235,7 +235,6 @@ class ServerState:
         self.names = {self.model_name}
         self.metrics = Metrics(self)
         self.on_load_failure: Callable[[], None] | None = None  # serve(): stop the process
-        self.loaded_at: float | None = None
         self._ignored_fields: set[str] = set()
 
     def load(self) -> None:
@@ -256,7 +255,7 @@ class ServerState:
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
-        self.loaded_at = time.perf_counter()
+        load_seconds = time.perf_counter() - t0
         import torch
 
         pool = engine.pool
@@ -264,7 +263,7 @@ class ServerState:
                  "(%d in all), up to %d requests at once, context %d tokens, loaded in %.1f s",
                  self.config.model, self.model_name, llm.num_layers, self.config.dtype, torch.get_num_threads(),
                  max(pool.capacities), sum(pool.capacities), self.config.engine.max_num_seqs, self.max_model_len,
-                 self.loaded_at - t0)
+                 load_seconds)
 
     @property
     def max_model_len(self) -> int:
