@@ -19,6 +19,7 @@ os.environ.setdefault("SKIPDECODE_CACHE", str(cache_dir()))
 # tests/test_dispatch.py times and checks the autotuner itself.
 os.environ.setdefault("SKIPDECODE_AUTOTUNE", "0")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -192,6 +193,62 @@ def drive(eng, arrivals: dict[int, list[dict]], plans: list | None = None, check
         assert eng.pool.used_slots <= sum(eng.pool.capacities)
         assert eng.num_running <= eng.config.max_num_seqs
     return done
+
+
+def write_tiny_gguf(hf, path: Path, arch: str = "llama") -> Path:
+    """Write a transformers Llama or Qwen2 as an fp32 GGUF the way llama.cpp's converter
+    does (Llama's q/k rows permuted for its RoPE layout; Qwen2's q/k/v biases), with a
+    byte-level vocabulary."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    c = hf.config
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or getattr(c, "rope_theta", None)
+    w.add_rope_freq_base(float(theta or 10000.0))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    b2u = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([b2u[i] for i in range(256)])
+    w.add_token_types([1] * 256)
+    w.add_token_scores([0.0] * 256)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for theirs, g in names.items():
+            t = sd[f"model.layers.{i}.{theirs}.weight"]
+            if arch == "llama" and theirs == "self_attn.q_proj":
+                t = permute(t, c.num_attention_heads)
+            elif arch == "llama" and theirs == "self_attn.k_proj":
+                t = permute(t, c.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(t))
+            bias = sd.get(f"model.layers.{i}.{theirs}.bias")
+            if bias is not None:
+                w.add_tensor(f"blk.{i}.{g}.bias", np.ascontiguousarray(bias))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def build_chat_model(d: Path, seed: int, layers: int, chat_template: str) -> Path:

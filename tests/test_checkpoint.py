@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import skipdecode.checkpoint as ckpt
-from conftest import VOCAB
+from conftest import VOCAB, write_tiny_gguf
 from skipdecode.checkpoint import load_model, resolve
 
 
@@ -79,57 +79,6 @@ def test_bfloat16_load(tiny_dirs, tiny_models):
 
 # -- GGUF -----------------------------------------------------------------------
 
-def write_tiny_llama_gguf(hf, path: Path) -> Path:
-    """Write a transformers Llama as an fp32 GGUF the way llama.cpp's converter
-    does (q/k rows permuted for its RoPE layout), with a byte-level vocabulary."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    c = hf.config
-
-    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    b2u = bytes_to_unicode()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([b2u[i] for i in range(256)])
-    w.add_token_types([1] * 256)
-    w.add_token_scores([0.0] * 256)
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for i in range(c.num_hidden_layers):
-        for theirs, g in names.items():
-            t = sd[f"model.layers.{i}.{theirs}.weight"]
-            if theirs == "self_attn.q_proj":
-                t = permute(t, c.num_attention_heads)
-            elif theirs == "self_attn.k_proj":
-                t = permute(t, c.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def _no_conversion(monkeypatch):
     import transformers.modeling_gguf_pytorch_utils as g
 
@@ -142,7 +91,7 @@ def _no_conversion(monkeypatch):
 
 def test_gguf_file_loads_and_converts_once(hf_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))
-    gguf_path = write_tiny_llama_gguf(hf_llama, tmp_path / "tiny.gguf")
+    gguf_path = write_tiny_gguf(hf_llama, tmp_path / "tiny.gguf")
 
     net, path = load_model(gguf_path)
     assert path.parent == tmp_path / "cache" and path.name.startswith("tiny-")

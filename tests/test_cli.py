@@ -193,7 +193,7 @@ def test_train_flags_are_derived_from_the_config_and_a_recipe_file_equals_its_fl
     root = Path(__file__).resolve().parents[1]
     assert cli_main(["train", "--config", str(root / "recipes" / "default-e2e.yaml"), "--print-config"]) == 0
     recipe = capsys.readouterr().out
-    assert cli_main(["train", "--model", "default", "--data", "e2e-names", "--lora", "--lora-r", "32", "--lora-alpha",
+    assert cli_main(["train", "--model", "default", "--data", "e2e-heldout", "--lora", "--lora-r", "32", "--lora-alpha",
                      "64", "--horizon", "3", "--decay", "5", "--speedups", "1,1,2,3,4,5", "--steps", "900",
                      "--batch-size", "16", "--lr", "1e-3", "--save-every", "25", "--no-progress",
                      "--print-config"]) == 0

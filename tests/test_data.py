@@ -174,3 +174,25 @@ def test_e2e_names_split_holds_out_whole_restaurant_names():
     assert {name(e.group) for e in d.train}.isdisjoint(held)
     assert load_task("e2e-names").validation == d.validation, "deterministic"
     assert {e.group for e in load_task("e2e").validation} != {e.group for e in d.validation}
+
+
+def test_e2e_heldout_has_select_and_report_parts_disjoint_by_name_and_from_training():
+    """A quarter or more of the devset's MRs are held out as whole names, split by name into
+    select (the names e2e-names validated on: every earlier choice was made there) and report
+    (never chosen on); no training example mentions a held-out name."""
+    from skipdecode.data import load_task, parse_mr, read_e2e
+
+    d = load_task("e2e-heldout")
+    name = lambda g: dict(parse_mr(g)).get("name")  # noqa: E731
+    select = {name(e.group) for e in d.validation}
+    report = {name(e.group) for e in d.report}
+    assert select and report and select.isdisjoint(report)
+    assert select == {name(e.group) for e in load_task("e2e-names").validation}
+    n_mrs = len({e.group for e in read_e2e(data_root() / "e2e" / "devset.csv")})
+    n_select, n_report = len(d.eval_items("select")), len(d.eval_items("report"))
+    assert n_report >= n_select and n_select + n_report >= n_mrs / 4
+    assert not any(h in e.group for e in d.train for h in select | report)
+    assert d.eval_items("select") == d.eval_items("validation")
+    assert load_task("e2e-heldout").report == d.report, "deterministic"
+    with pytest.raises(DataError, match="report"):
+        load_task("e2e-names").eval_items("report")

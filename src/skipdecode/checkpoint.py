@@ -55,6 +55,15 @@ def shipped_adapter(name: str) -> Path:
 SHIPPED_MODELS = {"default-e2e": "the default model fine-tuned with SkipDecode schedules on E2E (LoRA)"}
 
 
+def base_of_shipped(name: str) -> str:
+    """The base model a shipped adapter names (``default``, or a pullable model)."""
+    cfg = shipped_adapter(name) / "adapter_config.json"
+    try:
+        return str(json.loads(cfg.read_text())["base_model_name_or_path"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"the shipped model {name!r} is damaged in this installation ({cfg}: {e})") from None
+
+
 def stage_bar(desc: str, stages: int):
     """A progress bar over the stages of a one-time job (shown on a terminal only)."""
     import sys
@@ -76,8 +85,12 @@ def _file_key(*files: Path) -> str:
 def resolve(model: str | os.PathLike) -> Path:
     """Turn ``default``, ``default-e2e``, a GGUF file, a LoRA adapter or a
     directory into a local HF directory (converted or merged once, cached)."""
+    from .pull import PULLABLE, resolve_pulled
+
     if str(model) == DEFAULT_MODEL:
         return convert_gguf(default_gguf_path(), cache_dir() / "smollm2-135m-instruct")
+    if str(model) in PULLABLE:
+        return resolve_pulled(str(model))
     if str(model) in SHIPPED_MODELS:
         p = shipped_adapter(str(model))
         if not (p / "adapter_model.safetensors").is_file():
@@ -86,7 +99,8 @@ def resolve(model: str | os.PathLike) -> Path:
         p = Path(model).expanduser()
     if not p.exists():
         raise ModelError(
-            f"model {str(model)!r} not found: pass 'default', 'default-e2e', a local Hugging Face directory "
+            f"model {str(model)!r} not found: pass 'default', 'default-e2e', a pulled model "
+            f"({', '.join(PULLABLE)}: 'skipdecode pull NAME' first), a local Hugging Face directory "
             "(config.json + safetensors), a LoRA adapter directory or a .gguf file"
         )
     if p.is_file() and p.suffix == ".gguf":

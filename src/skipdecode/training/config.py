@@ -42,9 +42,9 @@ class TrainConfig:
     ``skipdecode train`` takes each field as a flag (``--lora-r 32``) or from a
     recipe file (``--config recipes/default-e2e.yaml``)."""
 
-    model: str = _opt("default-e2e", "'default-e2e' (shipped, skip-trained), 'default' (its base), a local HF "
-                                     "directory or a .gguf file")
-    data: str = _opt("e2e", "e2e | e2e-names | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
+    model: str = _opt("default-e2e", "'default-e2e' (shipped, skip-trained), 'default' (its base), a pulled "
+                                     "model (skipdecode pull), a local HF directory or a .gguf file")
+    data: str = _opt("e2e", "e2e | e2e-names | e2e-heldout (train part; select validates) | scitldr | FILE.jsonl ({prompt, target}) | FILE.csv (mr,ref)")
     output_dir: str = _opt("runs/train", "where the run writes its checkpoints and the trained model",
                            aliases=["-o"])
     # schedules
