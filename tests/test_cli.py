@@ -56,6 +56,24 @@ def test_generate_lossless_gives_full_depth_tokens_and_reports_its_drafts(tiny_c
     assert "--draft-tokens applies to --lossless generation only" in capsys.readouterr().err
 
 
+def test_generate_adaptive_threshold_zero_is_the_static_schedule_and_others_run_no_shallower(tiny_cli_dir, capsys):
+    def untimed(objs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in o.items() if k != "seconds"} for o in objs]
+
+    static = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--trace", *PROMPTS)
+    assert untimed(run_json(capsys, tiny_cli_dir, "--speedup", "2", "--trace", "--adaptive", "0", *PROMPTS)) == \
+        untimed(static)
+    for s, a in zip(static, run_json(capsys, tiny_cli_dir, "--speedup", "2", "--trace", "--adaptive", "0.9",
+                                     *PROMPTS)):
+        assert all(len(x) >= len(y) for x, y in zip(a["active_layers"], s["active_layers"]))
+        assert a["decode_layer_speedup"] <= s["decode_layer_speedup"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny_cli_dir), "--speedup", "2", "--adaptive", "2", PROMPTS[0]])
+    assert "[0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_cli_dir), "--adaptive", "--speedup", "2", PROMPTS[0]]) == 2
+    assert "no adaptive threshold calibrated for 2.0x" in capsys.readouterr().err
+
+
 def test_replay_takes_lossless_requests_beside_plain_ones(tiny_cli_dir, tmp_path, capsys):
     f = tmp_path / "reqs.jsonl"
     f.write_text(json.dumps({"prompt": PROMPTS[0], "speedup": 2, "lossless": True, "draft_tokens": 3}) + "\n"

@@ -9,6 +9,7 @@ matches transformers (tests/test_parity_transformers.py runs both)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +276,19 @@ def test_kernels_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.delenv("SKIPDECODE_KERNELS")
         kernels.load.cache_clear()
+
+
+@needs_kernels
+def test_a_build_killed_midway_does_not_hang_the_next_load(k):
+    """torch marks a build in progress with a ``lock`` file; one killed mid-build leaves it, and
+    torch alone would wait for it forever. The next load must go on."""
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = k.__name__  # the module is built: its directory is found by its name
+    (Path(_get_build_directory(name, False)) / "lock").touch()
+    code = "from skipdecode import kernels; assert kernels.load() is not None"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -48,7 +48,7 @@ def test_layer_needs_are_prompt_plus_decode_steps_running_that_layer():
 
 
 @pytest.mark.parametrize("arch, mode", [("llama", "skip"), ("gpt2", "early_exit"), ("qwen2", "skip"),
-                                        ("opt", "skip")])
+                                        ("opt", "skip"), ("llama", "nested")])
 def test_kv_never_read_before_written_and_never_written_outside_a_request(arch, mode, tiny_packed, monkeypatch):
     """Every slot starts as NaN. Requests with different prompts and schedules
     share the pool and finish at full length: their tokens equal a normal run
@@ -56,8 +56,11 @@ def test_kv_never_read_before_written_and_never_written_outside_a_request(arch, 
     exact), and every slot outside a reservation is still NaN."""
     model = tiny_packed[arch]
     L = model.n_layers
-    scheds = [SkipSchedule(L, L, 2 if mode == "skip" else 1, horizon=6, warmup_layers=1, mode=mode),
-              SkipSchedule.full_depth(L), SkipSchedule(L, L - 1, L - 2, horizon=3, warmup_layers=1, mode=mode)]
+    order = tuple(range(1, L, 2)) + tuple(range(0, L, 2)) if mode == "nested" else None  # odd layers first
+    w = 0 if mode == "nested" else 1
+    scheds = [SkipSchedule(L, L, 2 if mode == "skip" else 1, horizon=6, warmup_layers=w, mode=mode, layer_order=order),
+              SkipSchedule.full_depth(L),
+              SkipSchedule(L, L - 1, L - 2, horizon=3, warmup_layers=w, mode=mode, layer_order=order)]
     prompts = _prompts(seed=1)
     normal, _ = generate_tokens(model, prompts, scheds, NEW)
 

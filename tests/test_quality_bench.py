@@ -117,7 +117,7 @@ def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first
 
 
 def test_names_copied_counts_outputs_that_spell_the_mrs_restaurant_name_exactly():
-    from skipdecode.bench.quality import names_copied
+    from skipdecode.evaluation.metrics import names_copied
 
     outs = [{"prompt": "Describe: name[The Punter], food[Chinese].", "text": "The Punter serves Chinese food."},
             {"prompt": "Describe: name[The Punter], area[riverside].", "text": "The Puni is by the river."},

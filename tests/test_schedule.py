@@ -17,12 +17,13 @@ from skipdecode.schedule import MODES, SOLVER_TOLERANCE, ScheduleError, SkipSche
 def schedules(draw, max_layers: int = 40) -> SkipSchedule:
     L = draw(st.integers(1, max_layers))
     mode = draw(st.sampled_from(MODES))
-    w = draw(st.integers(0, L - 1))
+    w = draw(st.integers(0, L - 1)) if mode != "nested" else 0
+    order = tuple(draw(st.permutations(range(L)))) if mode == "nested" else None
     floor = w if mode == "skip" else 0
     min_e = draw(st.integers(floor + 1, L))
     max_e = draw(st.integers(min_e, L))
     horizon = draw(st.integers(1, 80))
-    return SkipSchedule(L, max_e, min_e, horizon=horizon, warmup_layers=w, mode=mode)
+    return SkipSchedule(L, max_e, min_e, horizon=horizon, warmup_layers=w, mode=mode, layer_order=order)
 
 
 @given(schedules(), st.integers(0, 120))
@@ -50,6 +51,8 @@ def test_layer_sets_shrink_and_match_budgets(s, i):
         assert L - 1 in cur, "the last layer always runs"
         assert cur[: s.warmup_layers] == list(range(s.warmup_layers)), "the warm-up layers always run"
         assert cur[s.warmup_layers:] == list(range(L - (s.budget(i) - s.warmup_layers), L)), "then the top ones"
+    elif s.mode == "nested":
+        assert cur == sorted(s.layer_order[: s.budget(i)]), "the first b layers of the order"
     else:
         assert cur == list(range(s.budget(i)))
 
@@ -99,8 +102,9 @@ def test_for_speedup_hits_the_target_or_the_closest_achievable(data):
     wf = w if mode == "skip" else 0
     target = data.draw(st.floats(1.0, L / (wf + 1)), "target")
     n = data.draw(st.integers(1, 48), "expected_new_tokens")
-    s = SkipSchedule.for_speedup(target, n, L, warmup_layers=w, mode=mode)
-    assert (s.num_layers, s.warmup_layers, s.mode) == (L, w, mode)
+    order = tuple(data.draw(st.permutations(range(L)), "order")) if mode == "nested" else None
+    s = SkipSchedule.for_speedup(target, n, L, warmup_layers=w, mode=mode, layer_order=order)
+    assert (s.num_layers, s.warmup_layers, s.mode, s.layer_order) == (L, w if mode != "nested" else 0, mode, order)
     assert s.horizon == max(n - 1, 1)
     got = s.decode_layer_speedup(n)
     best = _brute_force_best(L, target, n, s.horizon, wf)

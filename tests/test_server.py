@@ -165,6 +165,21 @@ def test_64_concurrent_streaming_clients_with_mixed_speedups_each_get_their_solo
     assert server.health() == 200
 
 
+def test_an_adaptive_request_runs_its_own_budgets_as_generate_does(server, llm):
+    """``adaptive`` rides as a body field: the server's tokens and layers are generate's;
+    a model with no calibrated threshold says so (400), as does a threshold outside [0, 1]."""
+    c = client(server)
+    prompt = "Describe a pub by the river."
+    want = llm.generate(prompt, speedup=3, max_new_tokens=12, chat=False, adaptive=0.3)[0]
+    r = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                             extra_body={"speedup": 3, "adaptive": 0.3, "trace": True})
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+    assert r.choices[0].model_extra["active_layers"] == want.active_layers
+    for bad, match in ((True, "calibrated"), (1.5, r"\[0, 1\]")):
+        with pytest.raises(openai.BadRequestError, match=match):
+            c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body={"speedup": 3, "adaptive": bad})
+
+
 def _post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     headers = {"Content-Type": "application/json"}

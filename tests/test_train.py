@@ -292,6 +292,33 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
     assert all(c[k].dtype == a[k].dtype for k in a) and off < moved / 100, (off, moved)
 
 
+def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_it(tmp_path, tiny_text, e2e_csv):
+    from skipdecode import LLM
+    from skipdecode.policies.importance import block_influence, nested_order
+
+    out = tmp_path / "nested"
+    r = train(_run_cfg(tiny_text, e2e_csv, out, lora=True, lora_r=4, steps=2, mode="nested", importance_examples=8,
+                       speedups=[1.0, 3.0], eval_examples=0))
+    meta = json.loads((out / "skipdecode.json").read_text())
+    order = tuple(meta["schedules"]["3x"]["layer_order"])
+    assert meta["schedules"]["3x"]["mode"] == "nested" and sorted(order) == list(range(8))
+    assert order == nested_order(meta["layer_influence"])
+    base, _ = load_model(tiny_text)  # measured before training: the base model's influence
+    from skipdecode.data import load_task  # the same first examples the run measured on
+    from skipdecode.tokenization import load_tokenizer
+    from skipdecode.training.batch import _tokenize
+
+    tok = load_tokenizer(tiny_text)
+    items, _ = _tokenize(tok, load_task(str(e2e_csv), val_groups=1, seed=0).train, None, base.cfg.max_position)
+    want = block_influence(base, items[:8], tok.pad_token_id or 0)
+    assert meta["layer_influence"] == pytest.approx(want, abs=1e-6)
+    llm = LLM.load(out)
+    sched = llm.make_schedule(speedup=3)
+    assert sched.to_dict() == r.schedules["3x"]
+    done = llm.generate("name[Aromi], food[Chinese]", speedup=3, max_new_tokens=6, ignore_eos=True)[0]
+    assert done.active_layers[1] == sched.layers(1)
+
+
 def test_lora_norms_train_the_norm_weights_and_load_back_exactly(tmp_path, tiny_text, e2e_csv):
     from peft import PeftModel
 

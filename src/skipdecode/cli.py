@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .errors import SkipDecodeError
 from .schedule import parse_speedups
-from .validation import NON_NEGATIVE, POSITIVE, SEED, SPEEDUP, VAL_GROUPS, float_arg, int_arg, int_list
+from .validation import NON_NEGATIVE, POSITIVE, SEED, SPEEDUP, VAL_GROUPS, adaptive_arg, float_arg, int_arg, int_list
 
 USER_ERRORS: tuple[type[BaseException], ...] = (SkipDecodeError, FileNotFoundError)
 
@@ -37,7 +37,7 @@ DEMO_PROMPTS = [
 REQUEST_FIELDS = {"prompt": str, "speedup": (int, float), "schedule": dict, "max_new_tokens": int,
                   "arrive_at_step": int, "mode": str, "temperature": (int, float), "top_k": int,
                   "top_p": (int, float), "seed": int, "stop": (str, list), "expected_new_tokens": int,
-                  "lossless": bool, "draft_tokens": int}
+                  "lossless": bool, "draft_tokens": int, "adaptive": (bool, int, float)}
 
 
 def read_requests(path: str, default_new_tokens: int) -> list[dict]:
@@ -55,7 +55,9 @@ def read_requests(path: str, default_new_tokens: int) -> list[dict]:
         if "prompt" not in d:
             raise EngineError(f"{path}:{n}: a request needs a \"prompt\"")
         for k, t in REQUEST_FIELDS.items():
-            if k in d and (isinstance(d[k], bool) != (t is bool) or not isinstance(d[k], t)):
+            bool_ok = t is bool or (isinstance(t, tuple) and bool in t)
+            if k in d and ((isinstance(d[k], bool) and not bool_ok) or (t is bool and not isinstance(d[k], bool))
+                           or not isinstance(d[k], t)):
                 raise EngineError(f"{path}:{n}: {k!r} has the wrong type ({type(d[k]).__name__})")
         if d.get("arrive_at_step", 0) < 0:
             raise EngineError(f"{path}:{n}: arrive_at_step must be >= 0")
@@ -101,6 +103,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         expected_new_tokens=a.expected_new_tokens, mode=a.mode, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop or (), chat=a.chat,
         system=a.system, on_text=on_text if stream else None, lossless=a.lossless, draft_tokens=a.draft_tokens,
+        adaptive=a.adaptive,
     )
     for o in outs:
         if a.json:
@@ -417,11 +420,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = g.add_mutually_exclusive_group()
     s.add_argument("--speedup", type=SPEEDUP, help="target decode-layer speedup, e.g. 2 or 3 (default: full depth)")
     s.add_argument("--schedule", help="a schedule JSON file (fields of SkipSchedule)")
-    g.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
+    g.add_argument("--mode", choices=["skip", "early_exit", "nested"], default=None,
+                   help="skip (the paper: the lower layers go), early_exit (the upper ones go) or nested (the least influential go, in the order the checkpoint measured; skipdecode train --mode nested); default: the family the checkpoint was trained with")
     g.add_argument("--lossless", action="store_true",
                    help="the schedule only drafts; full depth verifies every token, so the output is full depth's")
     g.add_argument("--draft-tokens", type=POSITIVE, default=None,
                    help="with --lossless: tokens drafted per verification (default 4)")
+    g.add_argument("--adaptive", nargs="?", const=True, default=None, type=adaptive_arg, metavar="THRESHOLD",
+                   help="adaptive budgets: step down the schedule only after tokens chosen with top-1 probability "
+                        ">= THRESHOLD; alone, the threshold the model calibrated for --speedup")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=64)
     g.add_argument("--expected-new-tokens", type=POSITIVE, default=None,
                    help="length the --speedup schedule is solved for (default: --max-new-tokens)")

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import atomic
+
 _SRC = Path(__file__).parent / "csrc" / "decode_kernels.cpp"
 PANEL = 16  # output columns per packed panel (two AVX registers)
 
@@ -64,9 +66,17 @@ def load():
     except Exception:  # only a courtesy message
         pass
     try:
-        return build(name=name, sources=[str(_SRC)],
-                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                     verbose=False)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = Path(_get_build_directory(name, False))
+        # torch marks a build in progress with a plain ``lock`` file that a killed build (Ctrl-C on
+        # the first run) leaves behind, and every later load then waits for it forever. Builds here
+        # hold an OS lock too, released when its process dies: a ``lock`` found under it is stale.
+        with atomic.locked(build_dir):
+            (build_dir / "lock").unlink(missing_ok=True)
+            return build(name=name, sources=[str(_SRC)],
+                         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                         verbose=False)
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
         warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
                       f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using oneDNN. "

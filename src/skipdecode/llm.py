@@ -104,7 +104,7 @@ class LLM:
         return self.model.cfg.n_layers
 
     def make_schedule(self, speedup: float | None = None, schedule: SkipSchedule | str | os.PathLike | None = None,
-                      expected_new_tokens: int | None = None, mode: str = "skip", warmup_layers: int | None = None,
+                      expected_new_tokens: int | None = None, mode: str | None = None, warmup_layers: int | None = None,
                       horizon: int | None = None, default_new_tokens: int = 64,
                       decay: float | None = None) -> SkipSchedule:
         """A schedule from a target speedup, a file, or a ready object (full depth if none).
@@ -149,6 +149,29 @@ class LLM:
         w = 1  # the default warm-up layers: the deepest skip keeps warm-up + the last layer
         return min(DEFAULT_LOSSLESS_SPEEDUP, self.num_layers / (w + 1))
 
+    def adaptive_plan(self, adaptive: bool | float | None, speedup: float | None,
+                      schedule) -> tuple[float | None, float | None]:
+        """``(schedule speedup, threshold)`` of an adaptive request (``(speedup, None)`` if not adaptive).
+        ``True`` looks up the threshold calibrated for ``speedup`` (``skipdecode.json``'s
+        ``adaptive``: the schedule it steps down and its threshold)."""
+        if adaptive is None or adaptive is False:
+            return speedup, None
+        if adaptive is True:
+            calibrated = self.training.get("adaptive", {})
+            entry = calibrated.get(f"{speedup:g}x") if speedup is not None and schedule is None else None
+            if entry is None:
+                have = ", ".join(sorted(calibrated)) or "none"
+                raise GenerationError(f"{self.path} has no adaptive threshold calibrated for "
+                                      f"{'that schedule' if schedule is not None else f'{speedup}x'} (calibrated: "
+                                      f"{have}); give a threshold in [0, 1] instead of true")
+            return float(entry["schedule_speedup"]), float(entry["threshold"])
+        from .policies.adaptive import check_threshold
+
+        try:
+            return speedup, check_threshold(adaptive)
+        except SkipDecodeError as e:
+            raise GenerationError(str(e)) from None
+
     def encode(self, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, system)
 
@@ -160,7 +183,7 @@ class LLM:
         schedule: SkipSchedule | str | os.PathLike | None = None,
         max_new_tokens: int = 64,
         expected_new_tokens: int | None = None,
-        mode: str = "skip",
+        mode: str | None = None,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -172,12 +195,16 @@ class LLM:
         on_text: Callable[[int, str], None] | None = None,
         lossless: bool = False,
         draft_tokens: int | None = None,
+        adaptive: bool | float | None = None,
     ) -> list[Completion]:
         """Generate for one or many prompts in one batch (on the engine: every
         prompt admitted at once, each leaving when done); see ``Completion``.
         ``on_text(row, delta)`` streams each row's text. ``lossless``: the
         schedule drafts ``draft_tokens`` per round and full depth verifies them,
-        so the output is full depth's (greedy: the same tokens)."""
+        so the output is full depth's (greedy: the same tokens). ``adaptive``: each
+        prompt steps down its schedule only on confident tokens (``policies.adaptive``);
+        ``True`` takes the threshold the checkpoint calibrated for ``speedup``, a number
+        is the threshold itself on the ``speedup`` schedule."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -185,6 +212,7 @@ class LLM:
         if isinstance(stop, str):
             stop = [stop]
         speedup = self._draft_speedup(lossless, speedup, schedule)
+        speedup, threshold = self.adaptive_plan(adaptive, speedup, schedule)
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = [self.encode(p, chat, system) for p in prompts]
         rows, _ = generate_tokens(
@@ -192,7 +220,7 @@ class LLM:
             sampling=Sampling(temperature, top_k, top_p, seed),
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
             tokenizer=self.tokenizer, stop=stop,
-            on_text=on_text, lossless=lossless, draft_tokens=draft_tokens,
+            on_text=on_text, lossless=lossless, draft_tokens=draft_tokens, adaptive_threshold=threshold,
         )
         return [Completion(p, r.text, pid, r.token_ids, r.active_layers, len(r.token_ids), r.finish_reason,
                            r.decode_layer_speedup, r.seconds, r.draft)
@@ -205,19 +233,21 @@ class LLM:
 
     def request(self, engine: Engine, prompt: str | Sequence[int], *, speedup: float | None = None,
                 schedule: SkipSchedule | str | os.PathLike | dict | None = None, max_new_tokens: int = 64,
-                expected_new_tokens: int | None = None, mode: str = "skip", temperature: float = 0.0,
+                expected_new_tokens: int | None = None, mode: str | None = None, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                 stop: str | Sequence[str] = (), chat: bool | None = None, system: str | None = None,
                 ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
-                draft_tokens: int | None = None, logprobs: int | None = None) -> Request:
+                draft_tokens: int | None = None, logprobs: int | None = None,
+                adaptive: bool | float | None = None) -> Request:
         """A validated engine request from text (or token ids) and the options of ``generate``."""
         if isinstance(schedule, dict):
             schedule = SkipSchedule.from_dict(schedule, self.num_layers)
         speedup = self._draft_speedup(lossless, speedup, schedule)
+        speedup, threshold = self.adaptive_plan(adaptive, speedup, schedule)
         sched = self.make_schedule(speedup, schedule, expected_new_tokens, mode, default_new_tokens=max_new_tokens)
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat, system)
         return engine.make_request(ids, sched, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
-                                   stop, ignore_eos, request_id, lossless, draft_tokens, logprobs)
+                                   stop, ignore_eos, request_id, lossless, draft_tokens, logprobs, threshold)
 
     def replay(self, requests: Sequence[dict], config: EngineConfig | None = None) -> list[dict]:
         """Deterministic replay: request ``r`` (the keyword arguments of ``request``

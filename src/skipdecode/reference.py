@@ -27,12 +27,14 @@ from typing import Sequence
 import torch
 
 from .model import Transformer
-from .schedule import SkipSchedule
+from .schedule import SkipSchedule, layers_for_budget
 
 
 @torch.inference_mode()
-def naive_logits(model: Transformer, tokens: Sequence[int], n_prompt: int, schedule: SkipSchedule) -> torch.Tensor:
-    """Logits ``(T, vocab)`` of one sequence whose first ``n_prompt`` tokens are the prompt."""
+def naive_logits(model: Transformer, tokens: Sequence[int], n_prompt: int, schedule: SkipSchedule,
+                 budgets: Sequence[int] | None = None) -> torch.Tensor:
+    """Logits ``(T, vocab)`` of one sequence whose first ``n_prompt`` tokens are the prompt;
+    ``budgets[i]``: the budget generated token ``i`` ran at (default: the schedule's)."""
     T = len(tokens)
     L = model.cfg.n_layers
     ids = torch.tensor([list(tokens)])  # (1, T)
@@ -40,7 +42,9 @@ def naive_logits(model: Transformer, tokens: Sequence[int], n_prompt: int, sched
     # active[l, t]: does position t run layer l?
     active = torch.ones(L, T, dtype=torch.bool)
     for t in range(n_prompt, T):
-        run = set(schedule.layers(t - n_prompt))
+        i = t - n_prompt
+        run = set(schedule.layers(i) if budgets is None else
+                  layers_for_budget(L, budgets[i], schedule.warmup_layers, schedule.mode, schedule.layer_order))
         active[:, t] = torch.tensor([l in run for l in range(L)])
     is_prefix = active.int().diff(dim=1) <= 0  # never inactive then active again
     assert bool(is_prefix.all()), "active positions of some layer are not a prefix of the sequence"
@@ -65,3 +69,24 @@ def naive_generate(model: Transformer, prompt: Sequence[int], schedule: SkipSche
         if nxt in eos_token_ids:
             break
     return new
+
+
+def naive_adaptive_generate(model: Transformer, prompt: Sequence[int], schedule: SkipSchedule, threshold: float,
+                            max_new_tokens: int, eos_token_ids: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """Greedy adaptive generation recomputing everything: token ``i`` is fed at
+    ``schedule.budget(c - 1)`` (``b(0)`` while ``c`` is 0), ``c`` the number of tokens
+    0..i chosen with top-1 probability >= ``threshold``. Returns (tokens, budgets fed)."""
+    seq = list(prompt)
+    new: list[int] = []
+    budgets: list[int] = []
+    confident = 0
+    for _ in range(max_new_tokens):
+        row = naive_logits(model, seq, len(prompt), schedule, budgets)[-1]
+        nxt = int(row.argmax())
+        confident += int(torch.softmax(row.float(), -1).max().item() >= threshold)
+        new.append(nxt)
+        seq.append(nxt)
+        if nxt in eos_token_ids or len(new) == max_new_tokens:
+            break
+        budgets.append(schedule.budget(max(confident - 1, 0)))
+    return new, budgets

@@ -10,7 +10,11 @@ it. Conventions (see SKIPDECODE.md):
   written by an earlier, deeper position.
 - ``mode="skip"`` (the paper) runs the first ``warmup_layers`` layers, then the
   top ``b - warmup_layers`` layers. ``mode="early_exit"`` runs the bottom ``b``
-  layers (same budget, the ablation the paper never measured).
+  layers (same budget, the ablation the paper never measured). ``mode="nested"``
+  runs the first ``b`` layers of a measured ``layer_order`` (policies/importance).
+  Each is a nested family: budget ``b`` runs the ``b`` lowest-ranked layers, so a
+  smaller budget runs a subset of a larger one's layers, which is all the KV
+  argument needs.
 - The decode-layer speedup of a generation of ``n`` new tokens is
   ``L / mean(b(i) for i < n - 1)``: only the first ``n - 1`` tokens are fed
   back through the model (the last one ends generation and runs nothing).
@@ -27,7 +31,7 @@ from pathlib import Path
 
 from .errors import SkipDecodeError
 
-MODES = ("skip", "early_exit")
+MODES = ("skip", "early_exit", "nested")
 DEFAULT_DECAY = 1.5  # preferred first budget / mean budget (see SkipSchedule.for_speedup)
 
 
@@ -50,6 +54,7 @@ class SkipSchedule:
     horizon: int
     warmup_layers: int = 1
     mode: str = "skip"
+    layer_order: tuple[int, ...] | None = None  # mode "nested": layers, most important first
 
     def __post_init__(self) -> None:
         L, w = self.num_layers, self.warmup_layers
@@ -57,8 +62,9 @@ class SkipSchedule:
             raise ScheduleError(f"num_layers must be a positive integer, got {L!r}")
         if self.mode not in MODES:
             raise ScheduleError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "early_exit":
-            w_floor = 0  # early exit has no warm-up block: the bottom b layers run
+        check_layer_order(self.layer_order, L, self.mode)
+        if self.mode != "skip":
+            w_floor = 0  # early exit and nested sets have no warm-up block
         else:
             if not isinstance(w, int) or w < 0:
                 raise ScheduleError(f"warmup_layers must be an integer >= 0, got {w!r}")
@@ -93,15 +99,16 @@ class SkipSchedule:
 
     def layers(self, i: int) -> list[int]:
         """The exact, sorted layer indices generated token ``i`` runs."""
-        return layers_for_budget(self.num_layers, self.budget(i), self.warmup_layers, self.mode)
+        return layers_for_budget(self.num_layers, self.budget(i), self.warmup_layers, self.mode, self.layer_order)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Per layer, its rank in the family: layer ``l`` runs at budget ``b`` iff ``ranks[l] < b``."""
+        return layer_ranks(self.num_layers, self.warmup_layers, self.mode, self.layer_order)
 
     def layer_runs(self, layer: int, budget: int) -> bool:
         """Whether ``layer`` runs at this budget (without building the list)."""
-        L = self.num_layers
-        if self.mode == "early_exit":
-            return layer < budget
-        w = self.warmup_layers
-        return layer < w or layer >= L - (budget - w)
+        return self.ranks[layer] < budget
 
     def steps_using_layer(self, layer: int, n_steps: int) -> int:
         """How many of the first ``n_steps`` decode steps run ``layer``.
@@ -123,6 +130,13 @@ class SkipSchedule:
             return 1.0
         return self.num_layers * steps / sum(self.budgets(steps))
 
+    def with_order(self, layer_order: tuple[int, ...] | None) -> "SkipSchedule":
+        """The same budgets on the nested family of ``layer_order`` (None: unchanged)."""
+        if layer_order is None:
+            return self
+        return SkipSchedule(self.num_layers, self.max_exit_layer, self.min_exit_layer, self.horizon,
+                            warmup_layers=0, mode="nested", layer_order=tuple(layer_order))
+
     # -- construction ------------------------------------------------------
     @classmethod
     def full_depth(cls, num_layers: int) -> "SkipSchedule":
@@ -139,6 +153,7 @@ class SkipSchedule:
         warmup_layers: int = 1,
         mode: str = "skip",
         decay: float = DEFAULT_DECAY,
+        layer_order: tuple[int, ...] | None = None,
     ) -> "SkipSchedule":
         """Solve ``max/min_exit_layer`` so the decode-layer speedup is ``target``.
 
@@ -169,7 +184,8 @@ class SkipSchedule:
             raise ScheduleError(f"warmup_layers must be an integer >= 0, got {warmup_layers!r}")
         if mode not in MODES:
             raise ScheduleError(f"mode must be one of {MODES}, got {mode!r}")
-        w = 0 if mode == "early_exit" else warmup_layers
+        check_layer_order(layer_order, num_layers, mode)
+        w = warmup_layers if mode == "skip" else 0
         best_possible = num_layers / (w + 1)
         if target > best_possible + 1e-9:
             raise ScheduleError(
@@ -178,16 +194,22 @@ class SkipSchedule:
             )
         H = horizon if horizon is not None else max(expected_new_tokens - 1, 1)
         max_e, min_e = _solve(num_layers, target, max(expected_new_tokens - 1, 1), H, w, decay)
-        return cls(num_layers, max_e, min_e, horizon=H, warmup_layers=warmup_layers, mode=mode)
+        return cls(num_layers, max_e, min_e, horizon=H, warmup_layers=w if mode == "nested" else warmup_layers,
+                   mode=mode, layer_order=None if layer_order is None else tuple(layer_order))
 
     # -- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["layer_order"] is None:
+            del d["layer_order"]
+        else:
+            d["layer_order"] = list(d["layer_order"])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, num_layers: int | None = None) -> "SkipSchedule":
         d = dict(d)
-        known = {"num_layers", "max_exit_layer", "min_exit_layer", "horizon", "warmup_layers", "mode"}
+        known = {"num_layers", "max_exit_layer", "min_exit_layer", "horizon", "warmup_layers", "mode", "layer_order"}
         unknown = set(d) - known
         if unknown:
             raise ScheduleError(f"unknown schedule field(s) {sorted(unknown)}; expected {sorted(known)}")
@@ -201,8 +223,13 @@ class SkipSchedule:
         if missing:
             raise ScheduleError(f"schedule is missing field(s) {sorted(missing)}")
         for k, v in d.items():
-            if k != "mode" and (not isinstance(v, int) or isinstance(v, bool)):
+            if k not in ("mode", "layer_order") and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ScheduleError(f"schedule field {k!r} must be an integer, got {v!r}")
+        if d.get("layer_order") is not None:
+            if not isinstance(d["layer_order"], (list, tuple)):
+                raise ScheduleError(f"schedule field 'layer_order' must be a list of layer indices, "
+                                    f"got {d['layer_order']!r}")
+            d["layer_order"] = tuple(d["layer_order"])
         return cls(**d)
 
     @classmethod
@@ -219,12 +246,42 @@ class SkipSchedule:
         return cls.from_dict(d, num_layers)
 
 
-def layers_for_budget(num_layers: int, budget: int, warmup_layers: int, mode: str = "skip") -> list[int]:
-    """Active layer set ``{0..w-1} ∪ {L-(b-w)..L-1}`` (skip) or ``{0..b-1}`` (early exit)."""
+def check_layer_order(order, num_layers: int, mode: str) -> None:
+    if mode != "nested":
+        if order is not None:
+            raise ScheduleError(f"layer_order is only for mode 'nested', not {mode!r}")
+        return
+    if order is None:
+        raise ScheduleError("mode 'nested' needs a layer_order (policies.importance.nested_order measures one)")
+    if sorted(order) != list(range(num_layers)) or any(isinstance(x, bool) for x in order):
+        raise ScheduleError(f"layer_order must list each of the {num_layers} layers once, got {list(order)!r}")
+
+
+@lru_cache(maxsize=256)
+def layer_ranks(num_layers: int, warmup_layers: int, mode: str = "skip",
+                layer_order: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Per layer, its rank in the family (layer ``l`` runs at budget ``b`` iff ``rank[l] < b``):
+    skip ranks the warm-up block first, then the layers from the top down; early exit from
+    the bottom up; nested as ``layer_order`` lists them."""
+    L, w = num_layers, warmup_layers
     if mode == "early_exit":
-        return list(range(budget))
-    w = warmup_layers
-    return list(range(w)) + list(range(num_layers - (budget - w), num_layers))
+        order = tuple(range(L))
+    elif mode == "nested":
+        order = tuple(layer_order)
+    else:
+        order = tuple(range(w)) + tuple(range(L - 1, w - 1, -1))
+    ranks = [0] * L
+    for r, l in enumerate(order):
+        ranks[l] = r
+    return tuple(ranks)
+
+
+def layers_for_budget(num_layers: int, budget: int, warmup_layers: int, mode: str = "skip",
+                      layer_order: tuple[int, ...] | None = None) -> list[int]:
+    """Active layer set, in depth order: ``{0..w-1} ∪ {L-(b-w)..L-1}`` (skip), ``{0..b-1}``
+    (early exit), or the first ``b`` layers of ``layer_order`` (nested)."""
+    ranks = layer_ranks(num_layers, warmup_layers, mode, layer_order)
+    return [l for l in range(num_layers) if ranks[l] < budget]
 
 
 SOLVER_TOLERANCE = 0.01  # relative: schedules this close to the target count as hitting it

@@ -129,3 +129,14 @@ def int_list(lo: int | None = None, hi: int | None = None) -> Callable[[str], li
         return [one(t) for t in items]
     parse.__name__ = "integer list"
     return parse
+
+
+def adaptive_arg(text: str) -> float:
+    """``--adaptive THRESHOLD``: a top-1 probability in [0, 1]."""
+    try:
+        t = float(text)
+    except ValueError:
+        t = float("nan")
+    if not 0 <= t <= 1:
+        raise argparse.ArgumentTypeError(f"an adaptive threshold is a probability in [0, 1], got {text!r}")
+    return t

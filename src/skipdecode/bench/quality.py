@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import atomic
-from ..evaluation.metrics import paired_bleu_bootstrap
+from ..evaluation.metrics import names_copied, paired_bleu_bootstrap
 from ..llm import LLM
 from ..schedule import SkipSchedule
 from .decode import machine_info
@@ -100,15 +100,6 @@ def held_out_names_in_by_mr_training() -> tuple[list[str], int]:
 def _result(report: dict, target: float, static: bool) -> dict | None:
     want = 1.0 if static else target  # a pruned model is evaluated at its own full depth
     return next((x for x in report["results"] if x["speedup_target"] == want), None)
-
-
-def names_copied(result: dict) -> float | None:
-    """Fraction of outputs that spell the MR's restaurant name exactly: the unseen names are
-    what a skipped pass garbles first ("The Punter" -> "The Puni")."""
-    hits = [re.search(r"name\[([^\]]+)\]", o["prompt"]) for o in result["outputs"]]
-    if not result["outputs"] or not all(hits):
-        return None
-    return sum(m.group(1) in o["text"] for m, o in zip(hits, result["outputs"])) / len(hits)
 
 
 def time_generation(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_tokens: int, batch: int,

@@ -100,7 +100,8 @@ class Engine:
                      max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                      stop: str | Sequence[str] | None = (),
                      ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
-                     draft_tokens: int | None = None, logprobs: int | None = None) -> Request:
+                     draft_tokens: int | None = None, logprobs: int | None = None,
+                     adaptive_threshold: float | None = None) -> Request:
         """A validated request (raises ``EngineError`` saying what is wrong)."""
         L = self.num_layers
         schedule = schedule or SkipSchedule.full_depth(L)
@@ -145,15 +146,24 @@ class Engine:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise EngineError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
+        if adaptive_threshold is not None:
+            from ..policies.adaptive import check_threshold
+            from ..schedule import ScheduleError
+
+            if lossless:
+                raise EngineError("adaptive budgets and lossless mode do not combine: drop one of them")
+            try:
+                adaptive_threshold = check_threshold(adaptive_threshold)
+            except ScheduleError as e:
+                raise EngineError(str(e)) from None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, tuple(ids), schedule, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos,
-                       lossless, draft_tokens, logprobs)
+                       lossless, draft_tokens, logprobs, adaptive_threshold)
 
     def add(self, request: Request) -> RequestState:
         if request.request_id in self.requests:
             raise EngineError(f"request id {request.request_id!r} is already running")
         st = RequestState(request, arrived_step=self.step_count)
-        st.layer_mode = (request.schedule.warmup_layers, request.schedule.mode)
         if request.lossless:
             st.spec = DraftStats()
             n = self.model.draft_vocab  # drafts also score the prompt's own rarer tokens (names to copy)
@@ -345,6 +355,9 @@ class Engine:
         """Append one token chosen from logits ``row``; ``merge``: an output of this
         step to extend (a lossless round's tokens)."""
         st.token_ids.append(tok)
+        t = st.request.adaptive_threshold
+        if t is not None and row is not None and (t == 0 or torch.softmax(row.float(), -1).max().item() >= t):
+            st.confident += 1  # the step just taken was sure: the next token may run shallower
         lp = None
         if st.request.logprobs is not None:
             lp = (merge.new_logprobs if merge is not None else []) + [token_logprob(row, tok, st.request.logprobs)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import SkipDecodeError
-from ..schedule import SkipSchedule, layers_for_budget
+from ..schedule import SkipSchedule
 
 
 class EngineError(SkipDecodeError):
@@ -74,12 +74,20 @@ class Request:
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     # log-probabilities: None = off; k = the chosen token's and the k most likely tokens'
     logprobs: int | None = None
+    # adaptive budgets: the schedule's clock ticks only on tokens chosen with top-1 probability >= this
+    adaptive_threshold: float | None = None
 
     @property
     def kv_schedule(self) -> SkipSchedule:
         """The schedule its KV reservation follows: a lossless request ends with
-        every position verified at full depth."""
-        return SkipSchedule.full_depth(self.schedule.num_layers) if self.lossless else self.schedule
+        every position verified at full depth; an adaptive one may never step down."""
+        if self.lossless:
+            return SkipSchedule.full_depth(self.schedule.num_layers)
+        if self.adaptive_threshold is not None:
+            from ..policies.adaptive import worst_case
+
+            return worst_case(self.schedule)
+        return self.schedule
 
 
 class Status(Enum):
@@ -102,7 +110,7 @@ class RequestState:
     cached_prefix: int | None = None  # prompt tokens copied from the prefix cache (None: not looked up yet)
     token_ids: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)  # budgets[i]: layers generated token i ran when fed back
-    layer_mode: tuple[int, str] = (1, "skip")  # (warm-up layers, mode) of the layer sets it ran
+    layer_ranks: tuple[int, ...] | None = None  # the layer family it ran (SkipSchedule.ranks); None: its own
     finish_reason: str | None = None
     text: str = ""
     arrived_step: int | None = None
@@ -120,6 +128,7 @@ class RequestState:
     draft_extra: object | None = None  # token ids beyond the draft vocabulary its drafts score (its prompt's)
     spec: "DraftStats | None" = None
     logprobs: list["TokenLogprob"] = field(default_factory=list)  # per generated token, when asked for
+    confident: int = 0  # adaptive requests: tokens chosen with top-1 probability >= the threshold
 
     @property
     def request_id(self) -> str:
@@ -139,12 +148,16 @@ class RequestState:
         request between drafting rounds feeds it at full depth)."""
         if self.request.lossless and not self.round_size:
             return self.request.schedule.num_layers
+        if self.request.adaptive_threshold is not None:
+            from ..policies.adaptive import clock_budget
+
+            return clock_budget(self.request.schedule, self.confident)
         return self.request.schedule.budget(self.fed_index)
 
     def active_layers(self, num_layers: int) -> list[list[int]]:
         """The layers each generated token ran when fed back ([] for the last, never fed)."""
-        w, mode = self.layer_mode
-        out = [layers_for_budget(num_layers, b, w, mode) for b in self.budgets]
+        ranks = self.layer_ranks or self.request.schedule.ranks
+        out = [[l for l in range(num_layers) if ranks[l] < b] for b in self.budgets]
         return out + [[]] * (len(self.token_ids) - len(out))
 
     def decode_layer_speedup(self, num_layers: int) -> float:

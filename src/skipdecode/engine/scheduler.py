@@ -22,7 +22,7 @@ Budgets, two policies:
   its *own* schedule at its own position. Its budget never increases, so every
   key/value it reads exists, whatever its batch-mates do. Layer ``l`` runs on
   the rows whose layer set holds it; with rows ordered by budget these are a
-  leading block for ``skip`` and ``early_exit``. A step costs the sum of the
+  leading block for any one layer family (skip, early exit, a nested order). A step costs the sum of the
   rows' budgets, not the maximum.
 - ``shared`` (the paper's rule, kept for comparison): the whole step runs one
   layer set, the lowest next budget of the batch, never above what any row
@@ -103,7 +103,8 @@ class Scheduler:
             kinds = {_kind(o.request.schedule) for o in self.running + list(self.waiting) if _skips(o)}
             if kinds and kinds != {_kind(st.request.schedule)}:
                 raise EngineError("the shared policy runs one layer set per step: every request that skips needs "
-                                  "the same mode and warm-up layers; use the per_row policy to mix them")
+                                  "the same mode and warm-up layers (or nested layer order); use the per_row policy "
+                                  "to mix them")
 
     def check_capacity(self, r: Request) -> None:
         """Whether the request fits the empty pool; reads no queue, so any thread may call it."""
@@ -179,10 +180,11 @@ class Scheduler:
             if cfg.policy == "shared":
                 b = min(own + [st.budgets[-1] for st in rows if st.budgets])
                 budgets = [b] * len(rows)
-                shared = next((_kind(st.request.schedule) for st in rows if _skips(st)), ("skip", 0))
+                shared = next((_kind(st.request.schedule) for st in rows if _skips(st)),
+                              tuple(range(self.num_layers)))
                 kinds = [shared] * len(rows)
                 for st in rows:  # a full-depth request runs the shared layer sets
-                    st.layer_mode = (shared[1], shared[0])
+                    st.layer_ranks = shared
             else:
                 budgets = own
             order = sorted(range(len(rows)), key=lambda r: -budgets[r])  # stable: ties keep arrival order
@@ -193,35 +195,29 @@ class Scheduler:
             kinds = []
         if rows or plan.verify:  # verifying rows (every position of a round) run every layer and come first
             n = sum(len(st.drafts) + 1 for st in plan.verify)
-            plan.layers = self._layer_rows([self.num_layers] * n + plan.budgets, [("skip", 0)] * n + kinds)
+            plan.layers = self._layer_rows([self.num_layers] * n + plan.budgets,
+                                           [tuple(range(self.num_layers))] * n + kinds)
         return plan
 
-    def _layer_rows(self, budgets: list[int], kinds: list[tuple[str, int]]) -> list[tuple[int, list[int] | None]]:
+    def _layer_rows(self, budgets: list[int], kinds: list[tuple[int, ...]]) -> list[tuple[int, list[int] | None]]:
+        """Per layer, how many rows run it and which: a leading block (rows are ordered by
+        budget) when every partial-depth row shares one layer family, else their indices.
+        ``kinds[r]`` is row ``r``'s family as layer ranks (``SkipSchedule.ranks``)."""
         L = self.num_layers
         partial = {k for k, b in zip(kinds, budgets) if b < L}  # a full-depth row runs every layer, whatever its kind
-        if len(partial) <= 1:  # one (mode, warm-up): each layer's rows are a leading block
-            mode, w = partial.pop() if partial else ("skip", 0)
-            out = []
-            for l in range(L):
-                if mode == "early_exit":
-                    n = sum(b > l for b in budgets)
-                elif l < w:
-                    n = len(budgets)
-                else:
-                    n = sum(b >= L - l + w for b in budgets)
-                out.append((n, None))
-            return out
+        if len(partial) <= 1:  # one family: each layer's rows are a leading block
+            ranks = partial.pop() if partial else tuple(range(L))
+            return [(sum(b > ranks[l] for b in budgets), None) for l in range(L)]
         out = []
         for l in range(L):
-            idx = [r for r, ((mode, w), b) in enumerate(zip(kinds, budgets))
-                   if (l < b if mode == "early_exit" else (l < w or l >= L - (b - w)))]
+            idx = [r for r, (ranks, b) in enumerate(zip(kinds, budgets)) if ranks[l] < b]
             out.append((len(idx), None if idx == list(range(len(idx))) else idx))
         return out
 
 
-def _kind(s) -> tuple[str, int]:
-    """(mode, warm-up layers) of a schedule: what, with a budget, fixes a layer set."""
-    return s.mode, (s.warmup_layers if s.mode == "skip" else 0)
+def _kind(s) -> tuple[int, ...]:
+    """A schedule's layer family (its layer ranks): what, with a budget, fixes a layer set."""
+    return s.ranks
 
 
 def _skips(st: RequestState) -> bool:

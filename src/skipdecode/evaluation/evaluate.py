@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .. import atomic
 from ..data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
 from ..llm import LLM
-from ..validation import SEED_MAX, check_float, check_int
+from ..validation import SEED_MAX, adaptive_arg, check_float, check_int
 from .metrics import PAIRED_BOOTSTRAPS, score
 
 TASKS = ("e2e", "scitldr")
@@ -46,6 +46,27 @@ def load_items(task: str, data: str | os.PathLike, split: str = "all", val_group
     raise DataError(f"task must be one of {TASKS}, got {task!r}")
 
 
+E2E_MANY_ATTRIBUTES = 6  # meaning representations this rich get their own column
+
+
+def e2e_breakdown(items: Sequence[EvalItem], hyps: Sequence[str]) -> dict[str, Any]:
+    """What skipping breaks on E2E, apart: the share of outputs that spell the restaurant's
+    name exactly as the input gives it (copying), and BLEU on the MRs with 6 or more attributes."""
+    import sacrebleu
+
+    from ..data import parse_mr
+    from .metrics import names_copied, reference_streams
+
+    rich = [k for k, it in enumerate(items) if len(parse_mr(it.group)) >= E2E_MANY_ATTRIBUTES]
+    share = names_copied({"outputs": [{"prompt": it.prompt, "text": h} for it, h in zip(items, hyps)]})
+    out: dict[str, Any] = {"names_copied": None if share is None else round(share, 4),
+                           "n_many_attributes": len(rich)}
+    if rich:
+        out["bleu_many_attributes"] = round(sacrebleu.corpus_bleu(
+            [hyps[k] for k in rich], reference_streams([items[k].references for k in rich])).score, 3)
+    return out
+
+
 def expected_length(llm: LLM, items: Sequence[EvalItem], chat: bool | None = None) -> int:
     """Median reference length in tokens (incl. EOS): the paper's horizon choice."""
     lengths = [len(encode_example(llm.tokenizer, it.prompt, ref, chat)[1]) for it in items for ref in it.references]
@@ -55,10 +76,12 @@ def expected_length(llm: LLM, items: Sequence[EvalItem], chat: bool | None = Non
 def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", speedups: Sequence[float] = (1, 2, 3),
              limit: int | None = None, out: str | os.PathLike | None = None, split: str = "all",
              batch_size: int = 16, max_new_tokens: int | None = None, expected_new_tokens: int | None = None,
-             horizon: int | None = None, warmup_layers: int | None = None, mode: str = "skip", bertscore: bool = True,
+             horizon: int | None = None, warmup_layers: int | None = None, mode: str | None = None, bertscore: bool = True,
              val_groups: int = 60, seed: int = 0, llm: LLM | None = None, dtype: str = "float32",
-             decay: float | None = None) -> dict[str, Any]:
-    """Generate and score every item at every speedup; returns (and writes) the report."""
+             decay: float | None = None, adaptive: bool | float | None = None) -> dict[str, Any]:
+    """Generate and score every item at every speedup; returns (and writes) the report.
+    ``adaptive``: adaptive budgets (``True``: the checkpoint's calibrated threshold per
+    speedup; a number: that threshold on each speedup's schedule)."""
     for name, v, lo in (("limit", limit, 1), ("max_new_tokens", max_new_tokens, 1),
                         ("expected_new_tokens", expected_new_tokens, 1), ("horizon", horizon, 1),
                         ("warmup_layers", warmup_layers, 0)):
@@ -90,14 +113,15 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", spe
     refs = [it.references for it in items]
     results = []
     for sp in speedups:
-        sched = llm.make_schedule(speedup=sp, expected_new_tokens=expected_new_tokens, mode=mode,
+        sched_sp, threshold = llm.adaptive_plan(adaptive, sp, None) if sp != 1 else (sp, None)
+        sched = llm.make_schedule(speedup=sched_sp, expected_new_tokens=expected_new_tokens, mode=mode,
                                   warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp, decay=decay)
         t = time.perf_counter()
         outs = []
         for i in tqdm(range(0, len(items), batch_size), desc=f"skipdecode evaluate {task} {sp:g}x", unit="batch",
                       file=sys.stderr, disable=None, leave=False):
             outs += llm.generate([it.prompt for it in items[i:i + batch_size]], schedule=sched,
-                                 max_new_tokens=max_new)
+                                 max_new_tokens=max_new, adaptive=threshold)
         seconds = time.perf_counter() - t
         hyps = [o.text.strip() for o in outs]
         fed = sum(len([a for a in o.active_layers if a]) for o in outs)
@@ -106,6 +130,8 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", spe
         res = {"speedup_target": float(sp), "decode_layer_speedup": round(L * fed / ran, 4) if ran else 1.0,
                **scores, "n_examples": len(items), "seconds": round(seconds, 2),
                "new_tokens": sum(o.new_tokens for o in outs), "schedule": sched.to_dict(),
+               **({"adaptive_threshold": threshold} if threshold is not None else {}),
+               **(e2e_breakdown(items, hyps) if task == "e2e" else {}),
                "outputs": [{"prompt": it.prompt, "text": h, "references": list(it.references),
                             "token_ids": list(o.token_ids)} for it, h, o in zip(items, hyps, outs)]}
         full = next((r for r in results if r["speedup_target"] == 1.0), None)
@@ -131,6 +157,58 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", spe
               "results": results}
     if out is not None:
         atomic.write_text(out, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    return report
+
+
+def calibrate_adaptive(task: str, data: str | os.PathLike, model: str, targets: Sequence[float],
+                       out: str | os.PathLike | None = None, split: str = "select",
+                       schedule_speedup: float | None = None, batch_size: int = 16, limit: int | None = None,
+                       max_new_tokens: int | None = None, llm: LLM | None = None) -> dict[str, Any]:
+    """One adaptive threshold per target, chosen on ``split`` (only ever the split you choose on):
+    the threshold on the ``schedule_speedup`` schedule (default: the deepest skip the model was
+    trained at) whose achieved decode-layer speedup over the split is the target. Writes
+    ``{"adaptive": {"3x": {"schedule_speedup", "threshold", "achieved"}}}``, the section
+    ``skipdecode.json`` keeps for ``adaptive=True``."""
+    from ..policies.adaptive import calibrate
+
+    items = load_items(task, data, split)[:limit]
+    if not items:
+        raise DataError(f"{data}: no items to calibrate on")
+    llm = llm or LLM.load(model)
+    trained = [float(k.rstrip("x")) for k in llm.training.get("schedules", {})]
+    top = schedule_speedup or max(trained, default=0.0)
+    if top <= 1:
+        raise DataError(f"{model} records no skipping schedule: pass schedule_speedup (--adaptive-schedule)")
+    if any(t > top for t in targets):
+        raise DataError(f"adaptive targets {list(targets)} exceed the {top:g}x schedule they step down")
+    exp = llm.training.get("expected_new_tokens") or expected_length(llm, items)
+    max_new = max_new_tokens or max(64, 2 * exp)
+    sched = llm.make_schedule(speedup=top, default_new_tokens=exp)
+    L = llm.num_layers
+    seen: dict[float, float] = {}
+
+    def achieved(t: float) -> float:
+        if t not in seen:
+            outs = []
+            for i in range(0, len(items), batch_size):
+                outs += llm.generate([it.prompt for it in items[i:i + batch_size]], schedule=sched,
+                                     max_new_tokens=max_new, adaptive=t)
+            fed = sum(len([a for a in o.active_layers if a]) for o in outs)
+            ran = sum(len(a) for o in outs for a in o.active_layers)
+            seen[t] = L * fed / ran if ran else 1.0
+            print(f"calibrate: threshold {t:.4f} -> decode-layer speedup {seen[t]:.3f}", file=sys.stderr, flush=True)
+        return seen[t]
+
+    result = {}
+    for target in targets:
+        t, s = calibrate(achieved, float(target))
+        result[f"{target:g}x"] = {"schedule_speedup": top, "threshold": round(t, 5), "achieved": round(s, 4)}
+        print(f"adaptive {target:g}x: threshold {t:.4f} on the {top:g}x schedule achieves {s:.3f}x on {split}",
+              flush=True)
+    report = {"adaptive": result, "calibrated_on": {"task": task, "data": str(data), "split": split,
+                                                    "items": len(items), "model": str(model)}}
+    if out is not None:
+        atomic.write_text(out, json.dumps(report, indent=2) + "\n")
     return report
 
 
@@ -160,13 +238,25 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--decay", type=float_arg(1), default=None,
                    help="solve every target with this first budget / mean budget (default: the checkpoint's "
                         "training schedules); with a short --horizon, a decay >= the target starts at full depth")
-    e.add_argument("--mode", choices=["skip", "early_exit"], default="skip")
+    e.add_argument("--mode", choices=["skip", "early_exit", "nested"], default=None,
+                   help="skip (the paper: the lower layers go), early_exit (the upper ones go) or nested (the least influential go, in the order the checkpoint measured; skipdecode train --mode nested); default: the family the checkpoint was trained with")
     e.add_argument("--no-bertscore", action="store_true")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
                    help="weights: float32, bfloat16 or int8 weight-only")
+    e.add_argument("--adaptive", nargs="?", const=True, default=None, type=adaptive_arg, metavar="THRESHOLD",
+                   help="adaptive budgets: each request steps down its schedule only after tokens with top-1 "
+                        "probability >= THRESHOLD (alone: the thresholds the model calibrated per speedup)")
+    e.add_argument("--calibrate-adaptive", type=parse_speedups, default=None, metavar="TARGETS",
+                   help="instead of scoring: find the adaptive threshold per target (e.g. 2,3) on --split "
+                        "(use the split you choose on, e.g. select) and write them to --out")
+    e.add_argument("--adaptive-schedule", type=float_arg(1), default=None, metavar="SPEEDUP",
+                   help="with --calibrate-adaptive: the schedule requests step down (default: the deepest "
+                        "skip the model was trained at)")
     e.add_argument("--out", required=True, help="report JSON")
-    e.set_defaults(func=lambda a: (evaluate(
+    e.set_defaults(func=lambda a: (calibrate_adaptive(
+        a.task, a.data, a.model, a.calibrate_adaptive, a.out, a.split, a.adaptive_schedule, a.batch_size, a.limit,
+        a.max_new_tokens), 0)[1] if a.calibrate_adaptive else (evaluate(
         a.task, a.data, a.model, a.speedups, a.limit, a.out, a.split, a.batch_size, a.max_new_tokens,
         a.expected_new_tokens, a.horizon, a.warmup_layers, a.mode, not a.no_bertscore, a.val_groups, a.seed,
-        dtype=a.dtype, decay=a.decay), 0)[1])
+        dtype=a.dtype, decay=a.decay, adaptive=a.adaptive), 0)[1])
     return e

@@ -8,6 +8,7 @@ split of a few dozen items a few points are noise.
 from __future__ import annotations
 
 import importlib.util
+import re
 import statistics
 import warnings
 from pathlib import Path
@@ -132,3 +133,12 @@ def paired_rouge_bootstrap(hyps: Sequence[str], base_hyps: Sequence[str], refs: 
 
 # every metric with a paired bootstrap, by its key in a score dict: evaluate, compare and report all pick from here
 PAIRED_BOOTSTRAPS = {"bleu": paired_bleu_bootstrap, "rougeL": paired_rouge_bootstrap}
+
+
+def names_copied(result: dict) -> float | None:
+    """Fraction of outputs that spell the MR's restaurant name exactly: the unseen names are
+    what a skipped pass garbles first ("The Punter" -> "The Puni")."""
+    hits = [re.search(r"name\[([^\]]+)\]", o["prompt"]) for o in result["outputs"]]
+    if not result["outputs"] or not all(hits):
+        return None
+    return sum(m.group(1) in o["text"] for m, o in zip(hits, result["outputs"])) / len(hits)

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ..engine import AsyncEngine, EngineConfig, EngineDeadError, EngineError, RequestOutput
 from ..errors import SkipDecodeError
+from ..generate import GenerationError
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 log = logging.getLogger("skipdecode.server")
@@ -447,9 +448,10 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                               mode=body.mode, temperature=body.temperature, top_k=body.top_k,
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
                               request_id=f"{uuid.uuid4().hex}", lossless=body.lossless,
-                              draft_tokens=body.draft_tokens, logprobs=body.top_logprobs_count)
+                              draft_tokens=body.draft_tokens, logprobs=body.top_logprobs_count,
+                              adaptive=body.adaptive)
             eng.scheduler.check_capacity(req)  # the rest is checked by the engine thread
-        except EngineError as e:
+        except (EngineError, GenerationError) as e:
             code = "context_length_exceeded" if "KV slots" in str(e) else None
             raise APIError(400, str(e), code=code) from None
         if state.in_flight >= config.engine.max_num_seqs + config.max_queue:

@@ -4,8 +4,10 @@ Standard fields follow OpenAI's API (defaults included: ``temperature`` 1,
 ``max_tokens`` 16 for completions). Skip controls ride as extra body fields,
 the way vLLM takes ``top_k``: ``speedup`` or ``schedule`` (the fields of
 ``SkipSchedule``), ``mode``, ``trace`` (token ids and the layers each
-token ran, per choice), and ``lossless`` with ``draft_tokens`` (the schedule
-drafts, full depth verifies; streams carry verified tokens only).
+token ran, per choice), ``lossless`` with ``draft_tokens`` (the schedule
+drafts, full depth verifies; streams carry verified tokens only), and
+``adaptive`` (``true``: the model's calibrated threshold for ``speedup``; a
+number in [0, 1]: step down the schedule only after tokens that sure).
 
 Unknown top-level fields (``tools``, ``response_format``, vendor fields) are
 accepted and ignored with a warning in the server log, as vLLM does, so
@@ -47,7 +49,8 @@ class ScheduleFields(BaseModel):
     min_exit_layer: int
     horizon: int
     warmup_layers: int = 1
-    mode: Literal["skip", "early_exit"] = "skip"
+    mode: Literal["skip", "early_exit", "nested"] = "skip"
+    layer_order: list[int] | None = None  # mode nested: the layers, most important first
     num_layers: int | None = None
 
 
@@ -71,10 +74,11 @@ class _Sampling(BaseModel):
     # skipdecode extensions
     speedup: float | None = Field(None, ge=1.0)
     schedule: ScheduleFields | None = None
-    mode: Literal["skip", "early_exit"] = "skip"
+    mode: Literal["skip", "early_exit", "nested"] | None = None  # None: the checkpoint's layer family
     trace: bool = False
     lossless: bool = False  # the schedule drafts, full depth verifies: full depth's output
     draft_tokens: int | None = Field(None, ge=1, le=16)
+    adaptive: StrictBool | float | None = None  # step down only after confident tokens (policies.adaptive)
 
     @field_validator("temperature", "top_p", "speedup", "presence_penalty", "frequency_penalty")
     @classmethod
@@ -105,6 +109,11 @@ class _Sampling(BaseModel):
             raise ValueError("speedup/schedule: give either a target speedup or a schedule, not both")
         if self.draft_tokens is not None and not self.lossless:
             raise ValueError("draft_tokens: applies to lossless requests only (add \"lossless\": true)")
+        a = self.adaptive
+        if a is not None and not isinstance(a, bool) and not (math.isfinite(a) and 0 <= a <= 1):
+            raise ValueError("adaptive: true, false or a top-1 probability threshold in [0, 1]")
+        if a not in (None, False) and self.lossless:
+            raise ValueError("adaptive: adaptive budgets and lossless mode do not combine; drop one")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true")
         return self

@@ -17,7 +17,8 @@ from ..validation import SEED_MAX, check_float, check_int
 MIXED_PRECISION = ("no", "bf16")
 
 # Settings that change the training trajectory: a resumed run must keep them.
-_RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "warmup_layers", "horizon", "decay",
+_RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "importance_examples", "warmup_layers",
+                "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
                 "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp", "distill",
@@ -52,8 +53,10 @@ class TrainConfig:
                                                    "listed twice is drawn twice as often")
     schedule_file: str | None = _opt(None, "a fixed schedule JSON file instead of --speedups",
                                      aliases=["--schedule"])
-    mode: str = _opt("skip", "skip (the lower layers) or early_exit (the upper ones)",
-                     choices=["skip", "early_exit"])
+    mode: str = _opt("skip", "skip (the lower layers), early_exit (the upper ones) or nested (the least "
+                             "influential ones, measured on the training data before training)",
+                     choices=["skip", "early_exit", "nested"])
+    importance_examples: int = _opt(64, "mode nested: training examples the layer influence is measured on")
     warmup_layers: int = _opt(1, "layers every token runs before the skipped block")
     # self-distillation: the same model at full depth (no gradient) teaches each skipped step
     distill: float = _opt(0.0, "self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
@@ -103,7 +106,8 @@ class TrainConfig:
         """Every field typed, finite and in range (the API's one check; the CLI's flags match it)."""
         E = TrainError
         for name, lo in (("batch_size", 1), ("grad_accum", 1), ("lora_r", 1), ("lora_alpha", 1),
-                         ("save_every", 0), ("keep_checkpoints", 1), ("eval_examples", 0), ("warmup_layers", 0)):
+                         ("save_every", 0), ("keep_checkpoints", 1), ("eval_examples", 0), ("warmup_layers", 0),
+                         ("importance_examples", 1)):
             check_int(name, getattr(self, name), lo, error=E)
         for name in ("steps", "horizon", "expected_new_tokens", "max_length"):
             if getattr(self, name) is not None:
@@ -127,8 +131,8 @@ class TrainConfig:
             check_float("val_groups", self.val_groups, 0, lo_open=True, error=E)
         if self.mixed_precision not in MIXED_PRECISION:
             raise E(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
-        if self.mode not in ("skip", "early_exit"):
-            raise E(f"mode must be 'skip' or 'early_exit', got {self.mode!r}")
+        if self.mode not in ("skip", "early_exit", "nested"):
+            raise E(f"mode must be 'skip', 'early_exit' or 'nested', got {self.mode!r}")
         if not self.schedule_file:
             if not isinstance(self.speedups, (list, tuple)) or not self.speedups:
                 raise E("give at least one speedup (e.g. speedups=[1, 2, 3]) or a schedule file")
@@ -155,11 +159,13 @@ def schedule_label(target: float) -> str:
     return f"{target:g}x"
 
 
-def schedule_for_speedup(target: float, expected_new_tokens: int, num_layers: int, cfg: TrainConfig) -> SkipSchedule:
+def schedule_for_speedup(target: float, expected_new_tokens: int, num_layers: int, cfg: TrainConfig,
+                         layer_order: tuple[int, ...] | None = None) -> SkipSchedule:
     """1x is full depth; other targets are solved by ``SkipSchedule.for_speedup``
-    with the run's horizon, warm-up, mode and decay."""
+    with the run's horizon, warm-up, mode (and, nested, its measured layer order) and decay."""
     return select.schedule_for_speedup(target, num_layers, expected_new_tokens, horizon=cfg.horizon,
-                                       warmup_layers=cfg.warmup_layers, mode=cfg.mode, decay=cfg.decay)
+                                       warmup_layers=cfg.warmup_layers, mode=cfg.mode, decay=cfg.decay,
+                                       layer_order=layer_order)
 
 
 def draw_schedule(labels: Sequence[str], seed: int, step: int) -> str:
@@ -173,13 +179,15 @@ def schedule_draws(cfg: TrainConfig, schedules: dict[str, SkipSchedule]) -> list
     return [schedule_label(t) for t in cfg.speedups] if not cfg.schedule_file else list(schedules)
 
 
-def build_schedules(cfg: TrainConfig, num_layers: int, expected_new_tokens: int) -> dict[str, SkipSchedule]:
+def build_schedules(cfg: TrainConfig, num_layers: int, expected_new_tokens: int,
+                    layer_order: tuple[int, ...] | None = None) -> dict[str, SkipSchedule]:
     if cfg.schedule_file:
         s = SkipSchedule.from_file(cfg.schedule_file, num_layers)
         return {f"{s.decode_layer_speedup(expected_new_tokens):.2f}x": s}
     if not cfg.speedups:
         raise TrainError("give at least one speedup (e.g. --speedups 1,2,3) or --schedule")
-    return {schedule_label(t): schedule_for_speedup(t, expected_new_tokens, num_layers, cfg) for t in cfg.speedups}
+    return {schedule_label(t): schedule_for_speedup(t, expected_new_tokens, num_layers, cfg, layer_order)
+            for t in cfg.speedups}
 
 
 def _check_resume(saved: dict, cfg: TrainConfig) -> None:
@@ -218,6 +226,7 @@ class TrainingRecord:
     seconds: float | None = None
     tokens_seen: int | None = None
     max_abs_diff_across_ranks: float | None = None
+    layer_influence: list[float] | None = None  # mode nested: each layer's measured Block Influence
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

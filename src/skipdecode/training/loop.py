@@ -68,6 +68,8 @@ from ..data import TaskData, load_task
 from ..dispatch import cpu_features
 from ..lora import apply_lora, merge_peft_model, save_adapter
 from ..model import Transformer
+from ..policies.importance import block_influence, nested_order
+from ..pull import PULLABLE
 from ..schedule import SkipSchedule
 from ..tokenization import load_tokenizer
 from .batch import (
@@ -260,7 +262,12 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     val_items, _ = _tokenize(tokenizer, val_rows, cfg.chat, max_len)
 
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in train_items))
-    schedules = build_schedules(cfg, L, expected)
+    influence = order = None
+    if cfg.mode == "nested" and not cfg.schedule_file:  # measured on the base model, before any update
+        influence = block_influence(net, train_items[: cfg.importance_examples], pad_id)
+        order = nested_order(influence)
+        _say(env, "skipdecode train: layers by measured influence: " + " ".join(map(str, order)))
+    schedules = build_schedules(cfg, L, expected, order)
     labels = schedule_draws(cfg, schedules)
     total = cfg.steps or math.ceil(cfg.epochs * len(train_items) / cfg.batch_size)
     if total < 1:
@@ -301,7 +308,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         base_model=str(path), data=cfg.data, num_layers=L, expected_new_tokens=expected, warmup_steps=warmup,
         total_steps=total, schedules={k: s.to_dict() for k, s in schedules.items()},
         decode_layer_speedup={k: s.decode_layer_speedup(expected) for k, s in schedules.items()},
-        train_examples=len(train_items), world_size=env.world, lr=cfg.effective_lr(), config=asdict(cfg))
+        train_examples=len(train_items), world_size=env.world, lr=cfg.effective_lr(), config=asdict(cfg),
+        layer_influence=influence)
     if env.main:
         _say(env, f"skipdecode train: {len(train_items)} examples, {total} steps of {cfg.batch_size}, "
                   f"{'LoRA' if cfg.lora else 'full'} fine-tuning of {L} layers, schedules "
@@ -393,8 +401,10 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     merged = None
     if env.main:
         if cfg.lora:
-            # a named base ("default", "default-e2e") stays portable; a local base is recorded by its path
-            save_adapter(model, cfg.model if cfg.model in (DEFAULT_MODEL, *SHIPPED_MODELS) else path, out, meta, tokenizer)
+            # a named base ("default", "default-e2e", a pullable model) stays portable; a local base is
+            # recorded by its path
+            named = cfg.model in (DEFAULT_MODEL, *SHIPPED_MODELS, *PULLABLE)
+            save_adapter(model, cfg.model if named else path, out, meta, tokenizer)
             if cfg.merge:
                 model = merge_peft_model(model)
                 merged = save_hf_model(model, path, out / "merged", meta)
