@@ -15,7 +15,7 @@ import torch
 from conftest import _LLAMA, build_tiny, drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import Engine, EngineConfig
-from skipdecode.policies.importance import block_influence, nested_order
+from skipdecode.policies.importance import answer_influence, block_influence, nested_order
 from skipdecode.policies.select import schedule_for_speedup
 from skipdecode.reference import naive_generate
 from skipdecode.schedule import ScheduleError, SkipSchedule, layers_for_budget
@@ -104,11 +104,13 @@ def test_block_influence_ranks_a_layer_that_changes_nothing_last(deep):
     g = torch.Generator().manual_seed(0)
     items = [(torch.randint(3, VOCAB, (n,), generator=g).tolist(), torch.randint(3, VOCAB, (5,), generator=g).tolist())
              for n in (4, 9, 6)]
-    bi = block_influence(net, items, batch_size=2)
+    bi = answer_influence(net, items)
     assert len(bi) == L and abs(bi[6]) < 1e-6 and min(b for i, b in enumerate(bi) if i != 6) > 1e-4
     order = nested_order(bi)
     assert order[-1] == 6 and sorted(order) == list(range(L))
-    assert block_influence(net, items, batch_size=3) == pytest.approx(bi, abs=1e-5), "batching changes nothing"
+    # the answer positions of (prompt, target) are the tail of prompt + target[:-1]
+    tails = block_influence(net, [p + t[:-1] for p, t in items], [len(p) - 1 for p, _ in items])
+    assert tails == bi and block_influence(net, [p + t[:-1] for p, t in items]) != bi
 
 
 def test_a_nested_checkpoint_uses_its_measured_order_unless_told_otherwise():

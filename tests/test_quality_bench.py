@@ -58,11 +58,11 @@ def test_quality_rows_are_measured_in_one_run_against_the_reference(tmp_path, ti
     assert st["num_layers"] == 2 and st["decode_layer_speedup"] == pytest.approx(3.0)  # 6 / 2 layers
     assert st["bleu"] == 30.0 and "bleu_kept_own" not in st  # no 1x of its own
     assert st["timed_on"] == f"{tiny_cli_dir} with 2 of its 6 layers"
-    md = (tmp_path / "out" / "quality.md").read_text()
+    md = (tmp_path / "out" / "quality-names.md").read_text()
     assert "| SkipDecode | 3x |" in md and "| static | 3x |" in md
     assert f"CPU: {rep['machine'].get('cpu')}, " in md and "{" not in md.split("| method |")[0]
-    assert (tmp_path / "out" / "quality.png").stat().st_size > 1000
-    assert json.loads((tmp_path / "out" / "quality.json").read_text()) == json.loads(json.dumps(rep))
+    assert (tmp_path / "out" / "quality-names.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "out" / "quality-names.json").read_text()) == json.loads(json.dumps(rep))
     # the by-MR training split mentions the held-out names: said in the report
     assert rep["held_out_names"] and rep["by_mr_training_examples_with_held_out_names"] > 0
     assert f"{rep['by_mr_training_examples_with_held_out_names']} examples that mention a held-out name" in md
@@ -144,3 +144,39 @@ def test_evaluate_reports_each_speedups_share_of_its_own_1x_with_a_paired_interv
     lo, hi = half["rougeL_kept_own_95ci"]
     assert 0 <= lo <= hi
     assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(rep))
+
+
+def test_the_heldout_table_scores_report_and_select_and_times_each_row_in_one_run(tmp_path, tiny_cli_dir):
+    from skipdecode.bench.heldout import REFERENCE as REF, HeldoutRow, run_heldout_quality
+
+    prompts = ["a cheap pub", "an Italian restaurant by the river", "a coffee shop"]
+    full, skip3 = SkipSchedule.full_depth(6), SkipSchedule.for_speedup(3, 8, 6)
+    res = tmp_path / "results"
+    res.mkdir()
+    for split, bonus in (("select", 5.0), ("report", 0.0)):
+        (res / f"eval-{split}-ref.json").write_text(json.dumps({"results": [_res(1.0, 50.0 + bonus, full, prompts)]}))
+        (res / f"eval-{split}-sd.json").write_text(json.dumps({"results": [
+            {**_res(1.0, 48.0 + bonus, full, prompts), "names_copied": 1.0, "bleu_many_attributes": 40.0},
+            {**_res(3.0, 36.0 + bonus, skip3, prompts), "names_copied": 0.5, "bleu_many_attributes": 30.0}]}))
+    rows = [HeldoutRow(REF, "ref", "runs/ref", base=str(tiny_cli_dir), targets=(1.0,)),
+            HeldoutRow("SkipDecode", "sd", "runs/sd", base=str(tiny_cli_dir), targets=(1.0, 3.0)),
+            HeldoutRow("never run", "none", "runs/none", base=str(tiny_cli_dir), targets=(2.0,))]
+    with one_thread():
+        rep = run_heldout_quality(tmp_path / "out", res, new_tokens=4, batch=2, repeats=1, rows=rows)
+    got = {(r["method"], r["speedup_target"]): r for r in rep["results"]}
+    assert set(got) == {(REF, 1.0), ("SkipDecode", 1.0), ("SkipDecode", 3.0)}
+    assert rep["not_yet_measured"] == ["never run 2x"]
+    sd3 = got[("SkipDecode", 3.0)]
+    assert sd3["report"]["bleu"] == 36.0 and sd3["select"]["bleu"] == 41.0  # each split from its own report
+    assert sd3["report"]["bleu_kept_own"] == pytest.approx(36 / 48, abs=1e-4)
+    assert sd3["select"]["bleu_kept_own"] == pytest.approx(41 / 53, abs=1e-4)
+    assert sd3["report"]["bleu_vs_reference"] == pytest.approx(36 / 50, abs=1e-4)
+    assert sd3["report"]["names_kept_own"] == 0.5 and sd3["report"]["bleu_many_attributes"] == 30.0
+    lo, hi = sd3["report"]["bleu_kept_own_95ci"]
+    assert lo <= hi
+    # full depth of the base is the speed reference: a 1x row runs at about 1.0x
+    assert got[("SkipDecode", 1.0)]["wall_clock_speedup"] == pytest.approx(1.0, abs=1e-9)
+    md = (tmp_path / "out" / "quality.md").read_text()
+    assert "| SkipDecode | 3x |" in md and "never run 2x" in md and "50%" in md
+    for png in ("quality.png", "quality-appendix.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 1000

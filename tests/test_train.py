@@ -294,7 +294,7 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
 
 def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_it(tmp_path, tiny_text, e2e_csv):
     from skipdecode import LLM
-    from skipdecode.policies.importance import block_influence, nested_order
+    from skipdecode.policies.importance import answer_influence, nested_order
 
     out = tmp_path / "nested"
     r = train(_run_cfg(tiny_text, e2e_csv, out, lora=True, lora_r=4, steps=2, mode="nested", importance_examples=8,
@@ -310,7 +310,7 @@ def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_i
 
     tok = load_tokenizer(tiny_text)
     items, _ = _tokenize(tok, load_task(str(e2e_csv), val_groups=1, seed=0).train, None, base.cfg.max_position)
-    want = block_influence(base, items[:8], tok.pad_token_id or 0)
+    want = answer_influence(base, items[:8])
     assert meta["layer_influence"] == pytest.approx(want, abs=1e-6)
     llm = LLM.load(out)
     sched = llm.make_schedule(speedup=3)

@@ -110,7 +110,8 @@ def resolve(model: str | os.PathLike) -> Path:
         if not files[1].is_file():
             raise ModelError(f"{p} has adapter_config.json but no adapter_model.safetensors: "
                              "copy the whole adapter directory (peft's save_pretrained writes both)")
-        return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_file_key(*files)}")
+        meta = [p / "skipdecode.json"] if (p / "skipdecode.json").is_file() else []  # its schedules, thresholds
+        return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_file_key(*files, *meta)}")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise ModelError(f"{p} is not a Hugging Face model directory (no config.json) nor a .gguf file")
     return p

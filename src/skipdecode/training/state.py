@@ -153,8 +153,10 @@ def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sc
 
 
 # what a run writes into --output-dir (besides tokenizer files): --overwrite removes all of it first
+LAYER_ORDER_FILE = "layer_order.json"  # mode nested: the order a run measured (read back on resume)
 RUN_OUTPUTS = ("config.json", "adapter_config.json", "model.safetensors", "adapter_model.safetensors",
-               "skipdecode.json", "generation_config.json", "README.md", LOG_NAME, CKPT_DIR, "merged")
+               "skipdecode.json", "generation_config.json", "README.md", LOG_NAME, CKPT_DIR, "merged",
+               LAYER_ORDER_FILE)
 
 
 def remove_run(out: Path) -> None:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every row of the held-out quality table (benchmarks/results/quality.{json,md,png}):
+# each model trained on e2e-heldout's train part, scored on its select part
+# (where choices are made) and on its report part (never chosen on), then
+# `skipdecode bench --quality` times every row in one run. A finished row is
+# skipped on a rerun; a killed training resumes. Run from the repository root.
+set -euo pipefail
+export HF_HUB_OFFLINE=1
+BIN=.venv/bin
+R=benchmarks/results
+DATA=../shared/data/e2e/devset.csv
+ev() {  # ev STEM MODEL [evaluate flags...]: score MODEL on select and report
+  local stem=$1 model=$2; shift 2
+  for split in select report; do
+    [ -f $R/eval-$split-$stem.json ] || $BIN/skipdecode evaluate --task e2e --data $DATA --split $split \
+      --model "$model" --out $R/eval-$split-$stem.json "$@"
+  done
+}
+train() {  # train RUN RECIPE [flags...]: train (or resume) unless finished
+  local run=$1 recipe=$2; shift 2
+  [ -f runs/$run/adapter_model.safetensors ] || [ -f runs/$run/model.safetensors ] || \
+    $BIN/skipdecode train --config "$recipe" -o runs/$run $([ -d runs/$run/checkpoints ] && echo --resume) "$@"
+}
+# the untrained model, for contrast
+ev untrained default --speedups 1,2,3,4,5
+# the shipped default-e2e, its adaptive thresholds calibrated on select (benchmarks/ship_default_e2e.sh)
+[ -f $R/eval-report-default-e2e.json ] || benchmarks/ship_default_e2e.sh
+# (ship_default_e2e.sh also calibrates and scores the adaptive thresholds: eval-*-default-e2e-adaptive.json)
+# nested layer sets by measured influence: the shipped recipe with --mode nested
+train default-e2e-nested recipes/default-e2e-nested.yaml
+ev default-e2e-nested runs/default-e2e-nested --speedups 1,2,3,4,5
+# the full-depth-only reference: the shipped recipe at 1x only
+train heldout-full-only recipes/default-e2e.yaml --speedups 1
+ev full-only runs/heldout-full-only --speedups 1
+# early exit with the same monotone budgets, the shipped recipe
+train heldout-early-exit recipes/default-e2e.yaml --mode early_exit
+ev early-exit runs/heldout-early-exit --speedups 1,2,3,4,5
+# static layer drop (ShortGPT), one pruned model per speedup, fine-tuned at its own depth
+for x in 2 3 5; do
+  [ -f runs/heldout-drop-${x}x-base/config.json ] || $BIN/skipdecode prune --model default --data e2e-heldout \
+    --speedup $x -o runs/heldout-drop-${x}x-base
+  train heldout-drop-${x}x recipes/default-e2e.yaml --model runs/heldout-drop-${x}x-base --speedups 1
+  ev drop-${x}x runs/heldout-drop-${x}x --speedups 1
+done
+# the 0.5B model with the shipped recipe (benchmarks/ship_qwen05b_e2e.sh)
+[ -f $R/eval-report-qwen2.5-coder-0.5b-e2e.json ] || benchmarks/ship_qwen05b_e2e.sh
+$BIN/skipdecode bench --quality

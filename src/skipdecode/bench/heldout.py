@@ -1,0 +1,269 @@
+"""Quality where nobody tuned, against measured wall-clock speedup (``skipdecode bench --quality``).
+
+Every row is trained on e2e-heldout's train part and scored on both of its other
+parts, disjoint by restaurant name: ``select`` (every choice of schedule, recipe,
+checkpoint and threshold was made there) and ``report`` (scored once per shipped
+candidate, never chosen on). The table's headline figures are the report
+column's; the select column shows how much choosing on a split flatters it.
+
+Speed is measured here, in one run: the report prompts in batches, a fixed number
+of new tokens (EOS ignored), prompt to last token, divided into the time of the
+same base model at full depth. A static schedule's speed depends on which layers
+run, not on their weights, so it is timed once on the base model (static drop:
+the base with as many layers removed); an adaptive row's budgets depend on the
+model's confidence, so it is timed on its own model with its threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import atomic
+from ..llm import LLM
+from ..schedule import SkipSchedule
+from .decode import machine_info
+from .quality import _kept, _percent, paired_interval, time_generation, timing_model
+
+RESULTS = Path("benchmarks/results")
+SPLITS = ("select", "report")
+REFERENCE = "full-depth fine-tuning"
+SHIPPED = "default-e2e (shipped)"
+STATIC_DROP = "static layer drop (ShortGPT)"
+EARLY_EXIT = "early exit"
+SHIPPED_05B = "qwen2.5-coder-0.5b-e2e"
+HEADLINE = (SHIPPED, SHIPPED_05B, STATIC_DROP, EARLY_EXIT, REFERENCE)  # at most 5 series
+
+
+@dataclass(frozen=True)
+class HeldoutRow:
+    name: str
+    stem: str  # benchmarks/results/eval-{split}-{stem}.json (a static row: {stem}-{x}x)
+    model: str
+    base: str = "default"  # whose full depth its speedups are measured against
+    targets: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)
+    static: bool = False  # one pruned model per target, evaluated at its own full depth
+    adaptive: bool = False  # budgets depend on confidence: timed on its own model
+    notes: dict = field(default_factory=dict)
+
+    def eval_path(self, split: str, target: float, results: Path = RESULTS) -> Path:
+        stem = f"{self.stem}-{target:g}x" if self.static else self.stem
+        return results / f"eval-{split}-{stem}.json"
+
+
+def heldout_rows() -> list[HeldoutRow]:
+    return [
+        HeldoutRow("untrained", "untrained", "default"),
+        HeldoutRow(REFERENCE, "full-only", "runs/heldout-full-only", targets=(1.0,)),
+        HeldoutRow(SHIPPED, "default-e2e", "default-e2e"),
+        HeldoutRow("default-e2e, adaptive budgets", "default-e2e-adaptive", "default-e2e",
+                   targets=(2.0, 3.0, 4.0), adaptive=True),
+        HeldoutRow("nested layer sets by measured influence", "default-e2e-nested", "runs/default-e2e-nested"),
+        HeldoutRow(EARLY_EXIT, "early-exit", "runs/heldout-early-exit"),
+        HeldoutRow(STATIC_DROP, "drop", "runs/heldout-drop", targets=(2.0, 3.0, 5.0), static=True),
+        HeldoutRow(SHIPPED_05B, "qwen2.5-coder-0.5b-e2e", "qwen2.5-coder-0.5b-e2e", base="qwen2.5-coder-0.5b"),
+    ]
+
+
+def _result(report: dict, target: float, static: bool) -> dict | None:
+    want = 1.0 if static else target  # a pruned model is evaluated at its own full depth
+    return next((x for x in report["results"] if x["speedup_target"] == want), None)
+
+
+def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RESULTS, quick: bool = False,
+                        new_tokens: int = 32, batch: int = 16, repeats: int = 3,
+                        rows: list[HeldoutRow] | None = None) -> dict[str, Any]:
+    """Every row's scores from its select and report evaluations; its speed measured here."""
+    out_dir, results = Path(out_dir), Path(results)
+    rows = rows or heldout_rows()
+    loaded: dict[str, dict[float, dict[str, dict]]] = {}  # row -> target -> split -> result
+    for row in rows:
+        for target in row.targets:
+            for split in SPLITS:
+                p = row.eval_path(split, target, results)
+                if not p.is_file():
+                    continue
+                res = _result(json.loads(p.read_text()), target, row.static)
+                if res is not None:
+                    loaded.setdefault(row.name, {}).setdefault(target, {})[split] = {**res, "_path": str(p)}
+    have = [(row, t) for row in rows for t in row.targets if "report" in loaded.get(row.name, {}).get(t, {})]
+    missing = [f"{row.name} {t:g}x" for row in rows for t in row.targets if (row, t) not in have]
+    if not have:
+        raise RuntimeError(f"no report evaluations under {results}: run benchmarks/ship_default_e2e.sh first")
+    first = loaded[have[0][0].name][have[0][1]]["report"]
+    prompts = [o["prompt"] for o in first["outputs"]]
+    refs = [o["references"] for o in first["outputs"]]
+    timed_prompts = prompts[:batch] if quick else prompts
+    repeats = 1 if quick else repeats
+
+    bases: dict[str, LLM] = {}
+    timed: dict[tuple, float] = {}
+
+    def base_llm(name: str) -> LLM:
+        if name not in bases:
+            bases.clear()  # one base in memory at a time
+            bases[name] = LLM.load(name)
+        return bases[name]
+
+    def seconds_for(row: HeldoutRow, res: dict) -> float:
+        sched = res["schedule"]
+        if row.adaptive:
+            key = (row.model, json.dumps(sched, sort_keys=True), res.get("adaptive_threshold"))
+            if key not in timed:
+                llm = LLM.load(row.model)
+                timed[key] = time_generation(llm, timed_prompts, SkipSchedule.from_dict(sched), new_tokens,
+                                             batch, repeats, adaptive=res["adaptive_threshold"])
+            return timed[key]
+        key = (row.base, json.dumps(sched, sort_keys=True))
+        if key not in timed:
+            llm = base_llm(row.base)
+            n = sched["num_layers"]
+            if n != llm.num_layers:
+                llm = timing_model(row.base, n)
+            timed[key] = time_generation(llm, timed_prompts, SkipSchedule.from_dict(sched, n), new_tokens, batch,
+                                         repeats)
+        return timed[key]
+
+    full_seconds: dict[str, float] = {}
+    table = []
+    texts: dict[tuple[str, float], tuple[list[str], list[str]]] = {}
+    for row, target in have:
+        by_split = loaded[row.name][target]
+        rep = by_split["report"]
+        if row.base not in full_seconds:
+            llm = base_llm(row.base)
+            full_seconds[row.base] = seconds_for(HeldoutRow("full", "", row.base, base=row.base),
+                                                 {"schedule": SkipSchedule.full_depth(llm.num_layers).to_dict()})
+        sec = seconds_for(row, rep)
+        n = rep["schedule"]["num_layers"]
+        L = base_llm(row.base).num_layers
+        entry = {"method": row.name, "speedup_target": target, "model": row.model, "base": row.base,
+                 "num_layers": n, "schedule": rep["schedule"],
+                 "decode_layer_speedup": round(rep["decode_layer_speedup"] * (L / n if row.static else 1), 3),
+                 "seconds": round(sec, 4), "wall_clock_speedup": round(full_seconds[row.base] / sec, 3),
+                 "report": {k: rep.get(k) for k in ("bleu", "rougeL", "bertscore", "names_copied",
+                                                      "bleu_many_attributes", "n_many_attributes", "n_examples")},
+                 "eval_reports": {s: r["_path"] for s, r in by_split.items()}}
+        if rep.get("adaptive_threshold") is not None:
+            entry["adaptive_threshold"] = rep["adaptive_threshold"]
+        if "select" in by_split:
+            sel = by_split["select"]
+            entry["select"] = {k: sel.get(k) for k in ("bleu", "names_copied", "decode_layer_speedup", "n_examples")}
+        texts[row.name, target] = [o["prompt"] for o in rep["outputs"]], [o["text"] for o in rep["outputs"]]
+        table.append(entry)
+        print(f"{row.name:40s} {target:g}x  report BLEU {rep['bleu']:.2f}  {sec:.2f} s", flush=True)
+
+    own_1x = {r["method"]: r for r in table if r["speedup_target"] == 1.0}
+    ref = own_1x.get(REFERENCE)
+    for r in table:
+        own = own_1x.get(r["method"])
+        if own is not None:
+            r["report"]["bleu_kept_own"] = round(r["report"]["bleu"] / own["report"]["bleu"], 4)
+            r["report"]["bleu_kept_own_95ci"] = paired_interval(texts, (r["method"], r["speedup_target"]),
+                                                                (r["method"], 1.0), refs)["ratio"]
+            if own["report"].get("names_copied"):
+                r["report"]["names_kept_own"] = round(r["report"]["names_copied"] / own["report"]["names_copied"], 4)
+            if "select" in r and "select" in own:
+                r["select"]["bleu_kept_own"] = round(r["select"]["bleu"] / own["select"]["bleu"], 4)
+        elif r["method"].startswith("default-e2e,") and SHIPPED in own_1x:  # an inference-time variant of it
+            base = own_1x[SHIPPED]
+            r["report"]["bleu_kept_own"] = round(r["report"]["bleu"] / base["report"]["bleu"], 4)
+            r["report"]["bleu_kept_own_95ci"] = paired_interval(texts, (r["method"], r["speedup_target"]),
+                                                                (SHIPPED, 1.0), refs)["ratio"]
+            if "select" in r and "select" in base:
+                r["select"]["bleu_kept_own"] = round(r["select"]["bleu"] / base["select"]["bleu"], 4)
+        if ref is not None and r["base"] == ref["base"]:
+            r["report"]["bleu_vs_reference"] = round(r["report"]["bleu"] / ref["report"]["bleu"], 4)
+    report = {
+        "title": "Quality on held-out restaurant names (e2e-heldout report part) vs measured wall-clock speedup",
+        "data": first.get("data", "../shared/data/e2e/devset.csv"), "n_examples": len(prompts),
+        "splits": {"select": "3 restaurant names, 73 MRs: every choice was made here",
+                   "report": "5 restaurant names, 76 MRs: scored once per shipped candidate, never chosen on"},
+        "settings": {"new_tokens": new_tokens, "batch": batch, "repeats": repeats, "ignore_eos": True,
+                     "threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "python": platform.python_version(), "quick": quick},
+        "full_depth_seconds": {k: round(v, 4) for k, v in full_seconds.items()},
+        "machine": machine_info(),
+        "commands": ["benchmarks/quality_heldout.sh", "skipdecode bench --quality"],
+        "not_yet_measured": missing,
+        "results": table,
+    }
+    atomic.write_text(out_dir / "quality.json", json.dumps(report, indent=2) + "\n")
+    atomic.write_text(out_dir / "quality.md", render_markdown(report))
+    plot(report, out_dir / "quality.png", headline=True)
+    plot(report, out_dir / "quality-appendix.png", headline=False)
+    return report
+
+
+def render_markdown(rep: dict) -> str:
+    m, s = rep["machine"], rep["settings"]
+    lines = [f"# {rep['title']}", "",
+             f"E2E devset split by restaurant name (`e2e-heldout`): {rep['splits']['report']} (the headline "
+             f"columns); {rep['splits']['select']}. Every trained row learns from the train part only (no MR of "
+             "either part). Greedy, multi-reference BLEU (sacrebleu). Speed: the report prompts in batches of "
+             f"{s['batch']}, {s['new_tokens']} new tokens each (EOS ignored), median of {s['repeats']}, prompt to "
+             "last token, relative to the same base model at full depth. "
+             f"CPU: {m.get('cpu')}, {s['threads']} threads, torch {s['torch']}.", "",
+             "Kept figures carry 95% intervals from a paired bootstrap over the MRs. \"names right\" is the share "
+             "of outputs that spell the restaurant's name as the input does; \">=6 attr.\" is BLEU on the MRs "
+             "with 6 or more attributes.", "",
+             "| method | target | layers fewer | wall-clock speedup | report BLEU | kept of own 1x "
+             "| vs reference 1x | >=6 attr. BLEU | names right | names kept | select BLEU | select kept |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rep["results"]:
+        rp, sel = r["report"], r.get("select", {})
+        lines.append(
+            f"| {r['method']} | {r['speedup_target']:g}x"
+            + (f" (threshold {r['adaptive_threshold']:.3f})" if "adaptive_threshold" in r else "")
+            + f" | {r['decode_layer_speedup']:.2f}x | {r['wall_clock_speedup']:.2f}x | {rp['bleu']:.2f} | "
+            f"{_kept(rp.get('bleu_kept_own'), rp.get('bleu_kept_own_95ci'), r['speedup_target'] == 1.0)} | "
+            f"{_kept(rp.get('bleu_vs_reference'), None, True)} | "
+            f"{'-' if rp.get('bleu_many_attributes') is None else format(rp['bleu_many_attributes'], '.2f')} | "
+            f"{_percent(rp.get('names_copied'))} | {_kept(rp.get('names_kept_own'), None, True)} | "
+            f"{'-' if sel.get('bleu') is None else format(sel['bleu'], '.2f')} | "
+            f"{_kept(sel.get('bleu_kept_own'), None, True)} |")
+    if rep["not_yet_measured"]:
+        lines += ["", "Not yet measured (no report evaluation committed): " + ", ".join(rep["not_yet_measured"])
+                  + "."]
+    lines += ["", "Commands:", "", "```"] + rep["commands"] + ["```", ""]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: Path, headline: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9.5 if headline else 10.5, 5))
+    methods = list(dict.fromkeys(r["method"] for r in rep["results"]))
+    if headline:
+        methods = [m for m in methods if m in HEADLINE][:5]
+    colors = plt.get_cmap("tab10").colors
+    for i, name in enumerate(methods):
+        rows = sorted((r for r in rep["results"] if r["method"] == name), key=lambda r: r["wall_clock_speedup"])
+        pts = [(r["wall_clock_speedup"], r["report"]["bleu"]) for r in rows]
+        if name == REFERENCE:
+            ax.axhline(pts[0][1], color="grey", ls="--", lw=1, label=f"{name} (1x)")
+            continue
+        shipped = name in (SHIPPED, SHIPPED_05B)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*" if shipped else "o",
+                lw=2.2 if shipped else 1.2, ms=10 if shipped else 5, color=colors[i % 10], label=name)
+        for r, (x, y) in zip(rows, pts):
+            if r["speedup_target"] in (2.0, 3.0, 5.0):
+                ax.annotate(f"{r['speedup_target']:g}x", (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7, color=colors[i % 10])
+    ax.set_xlabel("measured wall-clock speedup (vs the same base model at full depth)")
+    ax.set_ylabel("BLEU, report split (names never chosen on)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_title(("" if headline else "appendix: every row, ") + f"E2E e2e-heldout report, {rep['machine'].get('cpu')}",
+                 fontsize=9)
+    fig.tight_layout()
+    atomic.write_file(path, lambda f: fig.savefig(f, dpi=110, format="png", bbox_inches="tight"))
+    plt.close(fig)
