@@ -83,6 +83,14 @@ def build_tiny(model_type: str, out: Path, seed: int = 0, **kw):
     return model
 
 
+def build_deep_llama(out: Path, seed: int, layers: int = 10) -> Path:
+    """A tiny Llama with ``layers`` layers (1x-5x reachable with one warm-up layer), a 512-token
+    context and an untied head: the engine tests' model."""
+    build_tiny("llama", out, seed=seed, **dict(_LLAMA, num_hidden_layers=layers, max_position_embeddings=512,
+                                              tie_word_embeddings=False))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """name -> directory of a saved tiny random checkpoint (all of TINY_SPECS)."""

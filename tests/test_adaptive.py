@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import _LLAMA, build_tiny, drive
+from conftest import build_deep_llama, drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import Engine, EngineConfig, EngineError
 from skipdecode.policies.adaptive import calibrate, clock_budget, worst_case
@@ -23,8 +23,7 @@ VOCAB = 256
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     d = tmp_path_factory.mktemp("adaptive") / "llama"
-    build_tiny("llama", d, seed=11, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
-                                            tie_word_embeddings=False))
+    build_deep_llama(d, seed=11, layers=L)
     return load_model(d)[0], load_model(d)[0].pack_for_inference()
 
 

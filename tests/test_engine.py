@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import build_tiny, _LLAMA, drive as _drive
+from conftest import build_deep_llama, drive as _drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import AsyncEngine, Engine, EngineConfig, EngineError, SamplingParams, layer_needs
 from skipdecode.reference import naive_generate
@@ -26,8 +26,7 @@ VOCAB = 256
 def deep(tmp_path_factory):
     """A tiny 10-layer Llama with a 512-token context: (reference model, packed model)."""
     d = tmp_path_factory.mktemp("deep") / "llama"
-    build_tiny("llama", d, seed=7, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
-                                           tie_word_embeddings=False))
+    build_deep_llama(d, seed=7, layers=L)
     return load_model(d)[0], load_model(d)[0].pack_for_inference()
 
 

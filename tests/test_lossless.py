@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import skipdecode.engine.engine as engine_mod
-from conftest import _LLAMA, build_tiny, drive
+from conftest import _LLAMA, build_deep_llama, build_tiny, drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import Engine, EngineConfig, EngineError, KVPool
 from skipdecode.reference import naive_generate
@@ -37,8 +37,7 @@ def deep(tmp_path_factory):
     """A tiny 10-layer Llama whose skipped passes agree with full depth about half the time:
     (reference model, packed model whose drafts score the first 64 token ids and their prompt's)."""
     d = tmp_path_factory.mktemp("lossless") / "llama"
-    build_tiny("llama", d, seed=7, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
-                                           tie_word_embeddings=False))
+    build_deep_llama(d, seed=7, layers=L)
     return _damp(load_model(d)[0], 0.1), _damp(load_model(d)[0], 0.1).pack_for_inference(draft_vocab=64)
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import _LLAMA, build_tiny, drive
+from conftest import build_deep_llama, drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import Engine, EngineConfig
 from skipdecode.policies.importance import answer_influence, block_influence, nested_order
@@ -28,8 +28,7 @@ ORDER = (0, 9, 4, 7, 1, 8, 2, 6, 3, 5)
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     d = tmp_path_factory.mktemp("nested") / "llama"
-    build_tiny("llama", d, seed=5, **dict(_LLAMA, num_hidden_layers=L, max_position_embeddings=512,
-                                           tie_word_embeddings=False))
+    build_deep_llama(d, seed=5, layers=L)
     return load_model(d)[0], load_model(d)[0].pack_for_inference()
 
 
