@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -177,6 +178,10 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     results = []
     log = lambda m: print(m, flush=True)  # noqa: E731
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(batch_sizes) * R, desc="skipdecode bench", unit="round", file=sys.stderr, disable=None,
+               leave=False)
     for B in batch_sizes:
         ids = [encoded[i % len(encoded)] for i in range(B)]
         ours = {dt: _Ours(x, ids) for dt, x in llms.items()}
@@ -207,6 +212,8 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                 time_both("skipdecode-onednn:1.0", lambda n: onednn.run(schedules[1.0], n))
             if hf:
                 time_both("transformers:1.0", hf.run)
+            bar.set_postfix_str(f"batch {B}")
+            bar.update()
         fixed = {ENGINE_NAMES[dt]: o.fixed_step_seconds(R) * 1000 for dt, o in ours.items()}
         matmul_ms = ours["float32"].matmul_step_seconds(R) * 1000
         rows = {}
@@ -248,6 +255,7 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                 + (f"  measured {r['measured_speedup']:.2f} / predicted {r['predicted_speedup']:.2f}"
                    if "measured_speedup" in r else ""))
         del hf
+    bar.close()
     vllm_note, vllm_ver = None, None
     if vllm_venv is not None:
         venv = Path(vllm_venv)
