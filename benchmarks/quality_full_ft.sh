@@ -9,8 +9,7 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 RUN=runs/names-full-ft
-[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --model default --data e2e-names --speedups 1,2,3,4,5 \
-  --decay 1.25 --steps 300 --batch-size 16 --lr 2e-4 --save-every 25 --no-progress -o "$RUN" \
+[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --config recipes/names-full.yaml -o "$RUN" \
   $([ -d "$RUN/checkpoints" ] && echo --resume)
 cp "$RUN/train_log.jsonl" benchmarks/results/train-log-names-full-ft.jsonl
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation-names --model "$RUN" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One row of the quality table (benchmarks/results/quality.*): train a LoRA r=32
+# One row of the first name-disjoint quality table (benchmarks/results/quality-names.*): train a LoRA r=32
 # adapter on the name-disjoint E2E split with the shared recipe (300 steps of
 # 16, lr 1e-3, gentle schedules) plus this row's own flags, then score it on
 # the held-out names at 1x-5x. Resumes a killed run.
@@ -11,9 +11,8 @@ export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 NAME=$1; EVAL_FLAGS=$2; shift 2; [ "${1:-}" = "--" ] && shift
 RUN=runs/$NAME
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --model "${MODEL:-default}" --data e2e-names --lora \
-  --lora-r 32 --lora-alpha 64 --decay 1.25 --steps 300 --batch-size 16 --lr 1e-3 \
-  --save-every 25 --no-progress -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume) "$@"
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/names-lora32.yaml \
+  --model "${MODEL:-default}" -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume) "$@"
 cp "$RUN/train_log.jsonl" "benchmarks/results/train-log-$NAME.jsonl" 2>/dev/null || true
 # the run's record: schedules, settings, validation loss per schedule, training seconds
 cp "$RUN/skipdecode.json" "benchmarks/results/train-record-$NAME.json" 2>/dev/null || true

@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 DATA=../shared/data/e2e/devset.csv
 RUN=runs/e2e-lora16-1to5
-TRAIN="skipdecode train --model default --data e2e --lora --lora-r 16 --lora-alpha 32 --speedups 1,2,3,4,5 --steps 150 --batch-size 16 --lr 1e-3 --save-every 25 -o $RUN"
+TRAIN="skipdecode train --config recipes/e2e-lora16.yaml -o $RUN"
 
 [ -f "$RUN/adapter_model.safetensors" ] || $BIN/$TRAIN
 

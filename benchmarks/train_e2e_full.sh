@@ -8,7 +8,6 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 RUN=runs/e2e-full123
-[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --model default --data e2e --speedups 1,2,3 \
-  --steps 300 --batch-size 16 --lr 2e-4 --save-every 25 -o "$RUN" --no-progress
+[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --config recipes/e2e-full.yaml -o "$RUN"
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation --model "$RUN" \
   --speedups 1,2,3,5 --out benchmarks/results/eval-e2e-full123.json

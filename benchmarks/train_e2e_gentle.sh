@@ -8,7 +8,7 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 RUN=runs/e2e-full123-gentle
-[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --model default --data e2e --speedups 1,2,3 --decay 1.25 \
-  --steps 300 --batch-size 16 --lr 2e-4 --save-every 25 -o "$RUN" --no-progress $([ -d "$RUN/checkpoints" ] && echo --resume)
+[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --config recipes/e2e-full.yaml --decay 1.25 \
+  -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation --model "$RUN" \
   --speedups 1,2,3 --out benchmarks/results/eval-e2e-full123-gentle.json

@@ -9,9 +9,8 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 RUN=runs/e2e-lora-gentle
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --model default --data e2e --lora --lora-r 16 \
-  --lora-alpha 32 --speedups 1,2,3 --decay 1.25 --steps 300 --batch-size 16 --lr 1e-3 --save-every 25 \
-  --no-progress -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/e2e-lora16.yaml \
+  --speedups 1,2,3 --decay 1.25 --steps 300 -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation --model "$RUN" \
   --speedups 1,2,3,5 --out benchmarks/results/eval-e2e-lora-gentle.json
 bash benchmarks/report_e2e.sh

@@ -8,8 +8,7 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 RUN=runs/e2e-names-lora32
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --model default --data e2e-names --lora \
-  --lora-r 32 --lora-alpha 64 --speedups 1,2,3,4,5 --decay 1.25 --steps 300 --batch-size 16 --lr 1e-3 \
-  --save-every 25 --no-progress -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/names-lora32.yaml \
+  --speedups 1,2,3,4,5 -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation-names --model "$RUN" \
   --speedups 1,2,3,4,5 --out benchmarks/results/eval-e2e-names-lora32.json

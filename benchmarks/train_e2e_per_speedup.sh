@@ -7,7 +7,7 @@ set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 RUN=runs/e2e-only2x
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --model default --data e2e --lora --lora-r 16 \
-  --lora-alpha 32 --speedups 2 --steps 150 --batch-size 16 --lr 1e-3 --save-every 25 -o "$RUN"
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/e2e-lora16.yaml \
+  --speedups 2 -o "$RUN"
 $BIN/skipdecode evaluate --task e2e --data ../shared/data/e2e/devset.csv --split validation --model "$RUN" \
   --speedups 1,2 --out benchmarks/results/eval-e2e-only2x.json

@@ -11,8 +11,8 @@ BIN=.venv/bin
 DATA=../shared/data/e2e/devset.csv
 for SP in ${SPEEDUPS:-2 1}; do  # SPEEDUPS="3" adds a 3x-only run
   RUN=runs/e2e-full-only${SP}x
-  [ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --model default --data e2e --speedups "$SP" \
-    --steps 150 --batch-size 16 --lr 2e-4 --save-every 25 -o "$RUN" --no-progress $([ -d "$RUN/checkpoints" ] && echo --resume)
+  [ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --config recipes/e2e-full.yaml --speedups "$SP" \
+    --steps 150 -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
   # the 1x-only model has no skip schedules of its own: the mixed run's (solved for its 29 tokens)
   case $SP in 1) EVAL=(--speedups 1,2,3 --expected-new-tokens 29) ;; *) EVAL=(--speedups "1,$SP") ;; esac
   $BIN/skipdecode evaluate --task e2e --data $DATA --split validation --model "$RUN" "${EVAL[@]}" \

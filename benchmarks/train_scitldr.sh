@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 DEV=../shared/data/scitldr/dev.jsonl
 RUN=runs/default-scitldr
-TRAIN="skipdecode train --model default --data scitldr --lora --lora-r 16 --lora-alpha 32 --speedups 1,2,3 --steps 80 --batch-size 8 --lr 1e-3 --save-every 20 -o $RUN"
+TRAIN="skipdecode train --config recipes/scitldr-lora.yaml -o $RUN"
 
 [ -f "$RUN/adapter_model.safetensors" ] || $BIN/$TRAIN
 EXP=$($BIN/python -c "import json; print(json.load(open('$RUN/skipdecode.json'))['expected_new_tokens'])")

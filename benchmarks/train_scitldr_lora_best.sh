@@ -11,9 +11,8 @@ export HF_HUB_OFFLINE=1
 BIN=.venv/bin
 DEV=../shared/data/scitldr/dev.jsonl
 RUN=runs/scitldr-lora32-weighted
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --model default --data scitldr --lora \
-  --lora-r 32 --lora-alpha 64 --speedups 1,1,2,3 --decay 1.25 --steps 100 --batch-size 8 --lr 1e-3 \
-  --save-every 10 -o "$RUN" --no-progress $([ -d "$RUN/checkpoints" ] && echo --resume)
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/scitldr-lora.yaml \
+  --lora-r 32 --lora-alpha 64 --speedups 1,1,2,3 --decay 1.25 --steps 100 --save-every 10 -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
 $BIN/skipdecode evaluate --task scitldr --data $DEV --limit 100 --model "$RUN" --speedups 1,2,3 \
   --out benchmarks/results/eval-scitldr-lora32-weighted.json
 bash benchmarks/report_scitldr.sh

@@ -12,8 +12,8 @@ BIN=.venv/bin
 DEV=../shared/data/scitldr/dev.jsonl
 for SP in ${SPEEDUPS:-1 2}; do
   RUN=runs/scitldr-full-only${SP}x
-  [ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --model default --data scitldr --speedups "$SP" \
-    --decay 1.25 --steps 200 --batch-size 8 --lr 2e-4 --save-every 20 -o "$RUN" --no-progress \
+  [ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --config recipes/scitldr-full.yaml --speedups "$SP" \
+    --decay 1.25 -o "$RUN" \
     $([ -d "$RUN/checkpoints" ] && echo --resume)
   $BIN/skipdecode evaluate --task scitldr --data $DEV --limit 100 --model "$RUN" --speedups "1,2" \
     --out "benchmarks/results/eval-scitldr-full-only${SP}x.json"

@@ -17,8 +17,8 @@ BIN=.venv/bin
 DEV=../shared/data/scitldr/dev.jsonl
 NAME=$1; SPEEDUPS=$2; shift 2; [ "${1:-}" = "--" ] && shift
 RUN=runs/scitldr-$NAME
-[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --model default --data scitldr --speedups "$SPEEDUPS" \
-  --steps 200 --batch-size 8 --lr 2e-4 --save-every 20 -o "$RUN" --no-progress \
+[ -f "$RUN/model.safetensors" ] || $BIN/skipdecode train --config recipes/scitldr-full.yaml --speedups "$SPEEDUPS" \
+  -o "$RUN" \
   $([ -d "$RUN/checkpoints" ] && echo --resume) "$@"
 $BIN/skipdecode evaluate --task scitldr --data $DEV --limit 100 --model "$RUN" \
   --speedups "$(tr , '\n' <<<"$SPEEDUPS" | sort -un | paste -sd,)" --out "benchmarks/results/eval-scitldr-$NAME.json"

@@ -221,6 +221,15 @@ def test_train_flags_are_derived_from_the_config_and_a_recipe_file_equals_its_fl
     assert "lora_r: 8\n" in capsys.readouterr().out  # a flag overrides the recipe
 
 
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")))
+def test_every_committed_recipe_is_a_valid_training_config(recipe, capsys):
+    from skipdecode.cli import main as cli_main
+
+    root = Path(__file__).resolve().parents[1]
+    assert cli_main(["train", "--config", str(root / "recipes" / recipe), "--print-config"]) == 0
+    assert "steps:" in capsys.readouterr().out
+
+
 def test_a_recipe_with_an_unknown_or_mistyped_setting_is_a_one_line_error(tmp_path, capsys):
     from skipdecode.cli import main as cli_main
 
