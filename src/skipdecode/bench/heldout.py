@@ -28,7 +28,7 @@ from .. import atomic
 from ..llm import LLM
 from ..schedule import SkipSchedule
 from .decode import machine_info
-from .quality import _kept, _percent, paired_interval, time_generation, timing_model
+from .quality import _kept, _percent, _result, paired_interval, time_generation, timing_model
 
 RESULTS = Path("benchmarks/results")
 SPLITS = ("select", "report")
@@ -68,11 +68,6 @@ def heldout_rows() -> list[HeldoutRow]:
         HeldoutRow(STATIC_DROP, "drop", "runs/heldout-drop", targets=(2.0, 3.0, 5.0), static=True),
         HeldoutRow(SHIPPED_05B, "qwen2.5-coder-0.5b-e2e", "qwen2.5-coder-0.5b-e2e", base="qwen2.5-coder-0.5b"),
     ]
-
-
-def _result(report: dict, target: float, static: bool) -> dict | None:
-    want = 1.0 if static else target  # a pruned model is evaluated at its own full depth
-    return next((x for x in report["results"] if x["speedup_target"] == want), None)
 
 
 def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RESULTS, quick: bool = False,
