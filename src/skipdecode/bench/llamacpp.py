@@ -1,0 +1,293 @@
+"""``skipdecode bench --llamacpp``: decode speed against llama.cpp, the engine people run small
+models on a CPU with, in one run on this machine.
+
+llama.cpp lives in its own virtualenv (``make llamacpp-venv``: built from the llama-cpp-python
+sdist with this machine's native ISA) and runs in its own process (``llamacpp_offline.py``).
+Its GGUFs are made from the same Hugging Face directory skipdecode decodes, with llama.cpp's own
+converter (F32) and quantizer (Q8_0, Q4_0). Both engines get the same prompt token ids, the same
+thread count, greedy decoding and a fixed number of new tokens (EOS ignored); decode time is
+``t(N) - t(1)`` over ``N - 1`` steps, best of interleaved rounds (each round times every
+skipdecode row, then runs llama.cpp once per GGUF).
+
+The machine's read bandwidth is measured once (a torch sum over 1 GiB with the bench's threads),
+and every batch-1 full-depth step is reported as a fraction of it: bytes of weights one step
+reads (every linear and the LM head; the KV cache of a ~100-token context adds under 1%) over
+the step's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import atomic
+from ..checkpoint import cache_dir, hf_architecture
+from ..errors import SkipDecodeError
+from ..generate import generate_tokens
+from ..llm import LLM
+from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info
+
+# llama.cpp weight type -> the skipdecode weight dtype of the same size class
+LLAMACPP_TYPES = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
+LLAMACPP_VENV = ".venv-llamacpp"
+
+
+class LlamaCppMissing(SkipDecodeError):
+    """The llama.cpp virtualenv is not built."""
+
+
+def llamacpp_paths(venv: str | os.PathLike = LLAMACPP_VENV) -> dict[str, Path]:
+    """The pieces ``make llamacpp-venv`` builds, or a clear error naming the make target."""
+    v = Path(venv).resolve()
+    paths = {"python": v / "bin" / "python", "lib": v / "build" / "bin", "src": v / "src" / "vendor" / "llama.cpp",
+             "quantize": v / "build" / "bin" / "llama-quantize", "server": v / "build" / "bin" / "llama-server"}
+    missing = [str(p) for k, p in paths.items() if not p.exists()]
+    if missing or not (v / ".installed").is_file():
+        raise LlamaCppMissing(f"llama.cpp is not built in {v} (missing: {', '.join(missing) or '.installed'}); "
+                              "run `make llamacpp-venv` (about 12 minutes on 2 cores)")
+    return paths
+
+
+def _staged_hf_dir(model_dir: Path, tmp: Path) -> Path:
+    """``model_dir`` with ``architectures`` in its config.json (links to every other file)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (tmp / f.name).unlink(missing_ok=True)
+            (tmp / f.name).symlink_to(f.resolve())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["architectures"] = [hf_architecture(cfg)]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return tmp
+
+
+def make_ggufs(model_dir: Path, types: list[str], venv: str | os.PathLike = LLAMACPP_VENV,
+               cache: Path | None = None) -> dict[str, Path]:
+    """GGUFs of ``model_dir`` in each llama.cpp type, made once with llama.cpp's own converter and
+    quantizer and cached beside the model's other conversions."""
+    p = llamacpp_paths(venv)
+    out = Path(cache or cache_dir()) / "llamacpp" / Path(model_dir).resolve().name
+    out.mkdir(parents=True, exist_ok=True)
+    f32 = out / "f32.gguf"
+    if not f32.is_file():
+        staged = _staged_hf_dir(Path(model_dir), out / "hf")
+        tmp = out / "f32.gguf.tmp"
+        env = dict(os.environ, PYTHONPATH=str(p["src"] / "gguf-py"), HF_HUB_OFFLINE="1")
+        # the converter needs torch, numpy and transformers: this interpreter has them
+        r = subprocess.run([sys.executable, str(p["src"] / "convert_hf_to_gguf.py"), str(staged), "--outtype", "f32",
+                            "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise SkipDecodeError(f"llama.cpp's converter failed on {model_dir}: {r.stderr.strip()[-800:]}")
+        os.replace(tmp, f32)
+    got = {"f32": f32}
+    for t in types:
+        if t == "f32":
+            continue
+        dst = out / f"{t}.gguf"
+        if not dst.is_file():
+            tmp = out / f"{t}.gguf.tmp"
+            r = subprocess.run([str(p["quantize"]), str(f32), str(tmp), t.upper()], capture_output=True, text=True,
+                               env=dict(os.environ, LD_LIBRARY_PATH=str(p["lib"])))
+            if r.returncode != 0:
+                raise SkipDecodeError(f"llama-quantize {t.upper()} failed: {r.stderr.strip()[-800:]}")
+            os.replace(tmp, dst)
+        got[t] = dst
+    return got
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes of the tensors one batch-1 decode step reads: every tensor, but the token embedding only
+    when it is also the output head (tied); otherwise one row of it, which is negligible."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    names = {t.name for t in r.tensors}
+    return sum(int(t.n_bytes) for t in r.tensors if not (t.name == "token_embd.weight" and "output.weight" in names))
+
+
+def step_bytes(llm: LLM) -> int:
+    """Bytes of weights one batch-1 decode step of ``llm`` reads at full depth: every block linear and
+    the LM head, in their stored dtype (int8: plus one bf16 scale per output channel)."""
+    net = llm.model
+    per = {"float32": 4, "bfloat16": 2, "int8": 1}
+    total = 0
+    for m in [m for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [net.lm_head]:
+        w = getattr(m, "weights", "float32")
+        total += m.in_features * m.out_features * per[w] + (2 * m.out_features if w == "int8" else 0)
+    return total
+
+
+def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0) -> float:
+    """The machine's read bandwidth with the bench's threads: bytes of a >> cache fp32 tensor over
+    the best time of summing it."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    t = _best_time(lambda: x.sum(), repeats)
+    return x.numel() * 4 / t / 1e9
+
+
+def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
+                 repeats: int, threads: int) -> dict:
+    script = Path(__file__).with_name("llamacpp_offline.py")
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(paths["lib"]))
+    r = subprocess.run([str(paths["python"]), str(script), str(gguf), str(new_tokens), str(repeats), str(threads),
+                        ",".join(map(str, batch_sizes))], input=json.dumps(ids), capture_output=True, text=True,
+                       env=env, timeout=3600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise SkipDecodeError(f"llama.cpp failed on {gguf.name} (exit {r.returncode}): {r.stderr.strip()[-800:]}")
+    return json.loads(lines[-1])
+
+
+def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
+                       batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
+                       new_tokens: int | None = None, repeats: int | None = None, dtypes: list[str] | None = None,
+                       venv: str | os.PathLike = LLAMACPP_VENV) -> dict:
+    paths = llamacpp_paths(venv)
+    batch_sizes = batch_sizes or ([1, 8] if quick else [1, 8, 32])
+    speedups = speedups or [1.0, 2.0, 3.0]
+    if 1.0 not in speedups:
+        speedups = [1.0] + list(speedups)
+    dtypes = dtypes or ["float32", "int8"]
+    types = [t for t, d in LLAMACPP_TYPES.items() if d in dtypes or t == "q4_0"]
+    N = new_tokens or (16 if quick else 64)
+    R = repeats or (1 if quick else 5)
+    threads = torch.get_num_threads()
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    llms = {dt: LLM.load(model, dtype=dt) for dt in dtypes}
+    base = next(iter(llms.values()))
+    L = base.num_layers
+    log(f"llama.cpp GGUFs ({', '.join(types)}) from {base.path} ...")
+    ggufs = make_ggufs(base.path, types, venv)
+    schedules = {sp: base.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
+    encoded = [base.encode(p) for p in PROMPTS]
+    ids_all = [encoded[i % len(encoded)] for i in range(max(batch_sizes))]
+    log("read bandwidth ...")
+    bw = read_bandwidth_gbs()
+    t_n: dict[tuple, list[float]] = {}
+    t_1: dict[tuple, list[float]] = {}
+    ours = {B: {dt: _Ours(x, ids_all[:B]) for dt, x in llms.items()} for B in batch_sizes}
+    for B in batch_sizes:  # warm-up
+        for o in ours[B].values():
+            for s in schedules.values():
+                o.run(s, 4)
+    peer_tokens: dict[str, list[int]] = {}
+    version = None
+    from tqdm import tqdm
+
+    for _ in tqdm(range(R), desc="skipdecode bench --llamacpp", unit="round", file=sys.stderr, disable=None,
+                  leave=False):
+        for B in batch_sizes:
+            for dt, o in ours[B].items():
+                for sp, s in schedules.items():
+                    for n, store in ((N, t_n), (1, t_1)):
+                        t = time.perf_counter()
+                        o.run(s, n)
+                        store.setdefault((ENGINE_NAMES.get(dt, f"skipdecode-{dt}"), B, sp), []).append(
+                            time.perf_counter() - t)
+        for t, path in ggufs.items():
+            got = run_llamacpp(paths, path, ids_all, batch_sizes, N, 1, threads)
+            version = got["version"]
+            peer_tokens[t] = got["tokens"]
+            for B, tt in got["batches"].items():
+                t_n.setdefault((f"llama.cpp-{t}", int(B), 1.0), []).extend(tt["t_n"])
+                t_1.setdefault((f"llama.cpp-{t}", int(B), 1.0), []).extend(tt["t_1"])
+    bytes_ours = {ENGINE_NAMES.get(dt, f"skipdecode-{dt}"): step_bytes(x) for dt, x in llms.items()}
+    bytes_peer = {f"llama.cpp-{t}": gguf_step_bytes(p) for t, p in ggufs.items()}
+    results = []
+    for (engine, B, sp), tn in t_n.items():
+        dec = min(tn) - min(t_1[(engine, B, sp)])
+        if dec <= 0:
+            raise RuntimeError(f"{engine} at batch {B}: timing noise exceeds the decode time; rerun on a quieter "
+                               "machine or with more --new-tokens")
+        ms = dec / (N - 1) * 1000
+        r = {"engine": engine, "batch_size": B, "speedup_target": sp,
+             "decode_layer_speedup": round(schedules[sp].decode_layer_speedup(N), 4) if engine.startswith("skip")
+             else 1.0, "ms_per_step": round(ms, 3), "decode_tokens_per_s": round(B * (N - 1) / dec, 2)}
+        nbytes = (bytes_ours | bytes_peer).get(engine)
+        if B == 1 and sp == 1.0 and nbytes:
+            r["weight_bytes_per_step"] = nbytes
+            r["read_gbs"] = round(nbytes / (ms / 1000) / 1e9, 2)
+            r["fraction_of_bandwidth"] = round(r["read_gbs"] / bw, 3)
+        results.append(r)
+    peer_of = {ENGINE_NAMES.get(d, f"skipdecode-{d}"): f"llama.cpp-{t}" for t, d in LLAMACPP_TYPES.items()}
+    for r in results:
+        peer = next((x for x in results if x["engine"] == peer_of.get(r["engine"]) and x["batch_size"] == r["batch_size"]),
+                    None)
+        if peer:
+            r["vs_llamacpp"] = peer["engine"]
+            r["tokens_per_s_vs_llamacpp"] = round(r["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 3)
+    results.sort(key=lambda r: (r["batch_size"], r["engine"], r["speedup_target"]))
+    ours_tokens = generate_tokens(llms[dtypes[0]].model, [encoded[0]], schedules[1.0], N, eos_token_ids=())[0][0].token_ids
+    agree = {}
+    for t, toks in peer_tokens.items():
+        k = next((i for i, (a, b) in enumerate(zip(toks, ours_tokens)) if a != b), min(len(toks), len(ours_tokens)))
+        agree[t] = k
+    settings = {"model": model, "model_path": str(base.path), "num_layers": L, "new_tokens": N, "repeats": R,
+                "quick": quick, "threads": threads, "dtypes": dtypes, "llamacpp_types": types, "greedy": True,
+                "eos_ignored": True, "prompt_tokens": [len(x) for x in encoded], "llama_cpp_python": version,
+                "ggufs": {t: {"file": str(p), "bytes": p.stat().st_size} for t, p in ggufs.items()},
+                "read_bandwidth_gbs": round(bw, 2),
+                "greedy_tokens_agreeing_with_skipdecode": {"reference": dtypes[0], "of": N, **agree},
+                "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
+    report = {"machine": machine_info(), "settings": settings, "results": results}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "llamacpp-quick" if quick else "llamacpp"
+    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    atomic.write_text(out / f"{name}.md", render_markdown(report))
+    for r in results:
+        log(f"B={r['batch_size']:<3} {r['engine']:<17} {r['speedup_target']:g}x {r['ms_per_step']:8.2f} ms/step "
+            f"{r['decode_tokens_per_s']:8.1f} tok/s" + (f"  {r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}"
+                                                         if "vs_llamacpp" in r else ""))
+    log(f"wrote {out / name}.json and .md")
+    return report
+
+
+def render_markdown(report: dict) -> str:
+    m, s = report["machine"], report["settings"]
+    feats = m.get("cpu_features", {})
+    agree = {k: v for k, v in s["greedy_tokens_agreeing_with_skipdecode"].items() if k not in ("reference", "of")}
+    lines = [
+        "# Decode speed: skipdecode against llama.cpp",
+        "",
+        f"Produced by `skipdecode bench --llamacpp{' --quick' if s['quick'] else ''}` on {m['date']}.",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {s['threads']} threads for both engines, {m['platform']}",
+        f"- ISA: {', '.join(feats.get('isa', [])) or 'unknown'} (oneDNN bf16 {'yes' if feats.get('onednn_bf16') else 'no'});"
+        f" llama.cpp built here with its native ISA (`make llamacpp-venv`)",
+        f"- Versions: torch {m['torch']}, skipdecode {m['skipdecode']}, llama-cpp-python {s['llama_cpp_python']}",
+        f"- Model: `{s['model']}` ({s['num_layers']} layers); GGUFs made from the same Hugging Face directory by "
+        "llama.cpp's converter (F32) and `llama-quantize` (Q8_0, Q4_0, llama.cpp's default tensor choices): "
+        + ", ".join(f"{t} {g['bytes'] / 1e6:.0f} MB" for t, g in s["ggufs"].items()),
+        f"- Greedy, {s['new_tokens']} new tokens (EOS ignored), row i of a batch gets E2E prompt i mod "
+        f"{len(s['prompt_tokens'])} ({s['prompt_tokens']} tokens with the chat template); llama.cpp decodes "
+        "the batch as one `llama_batch` per step, one sequence id per row",
+        f"- Decode time = t(N) - t(1) over N-1 steps, best of {s['repeats']} interleaved rounds.",
+        f"- Greedy tokens of prompt 0 at batch 1 equal to skipdecode {s['greedy_tokens_agreeing_with_skipdecode']['reference']}"
+        f" 1x before the first difference (of {s['greedy_tokens_agreeing_with_skipdecode']['of']}): "
+        + ", ".join(f"{k} {v}" for k, v in agree.items()),
+        f"- Read bandwidth measured here: {s['read_bandwidth_gbs']:.1f} GB/s (torch sum over 1 GiB, "
+        f"{s['threads']} threads); batch-1 full-depth rows give the weight bytes a step reads over its time.",
+        "",
+        "| batch | engine | target | decode-layer speedup | ms/step | decode tok/s | vs llama.cpp (same size class) "
+        "| weight MB/step | GB/s read | of bandwidth |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        vs = f"{r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}" if "vs_llamacpp" in r else ""
+        bw = (f"{r['weight_bytes_per_step'] / 1e6:.0f} | {r['read_gbs']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}%"
+              if "read_gbs" in r else " | | ")
+        lines.append(f"| {r['batch_size']} | {r['engine']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} "
+                     f"| {r['ms_per_step']:.2f} | {r['decode_tokens_per_s']:.1f} | {vs} | {bw} |")
+    lines += ["", "Schedules (solved for the new-token count above):", ""]
+    for sp, d in s["schedules"].items():
+        lines.append(f"- {float(sp):g}x: budget {d['max_exit_layer']} -> {d['min_exit_layer']} over "
+                     f"{d['horizon']} positions, {d['warmup_layers']} warm-up layer(s), mode {d['mode']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,80 @@
+"""``skipdecode bench --llamacpp``: llama.cpp is a peer in its own virtualenv; without it the bench says
+which make target builds it; bytes per step and bandwidth fractions are what the weights weigh; with it
+(``make llamacpp-venv``), the same weights decode the same greedy tokens in llama.cpp."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from skipdecode.bench import llamacpp
+from skipdecode.bench.llamacpp import LlamaCppMissing, llamacpp_paths, read_bandwidth_gbs, step_bytes
+
+VENV = Path(__file__).resolve().parents[1] / ".venv-llamacpp"
+
+
+def test_a_missing_llamacpp_venv_is_a_one_line_error_naming_the_make_target(tmp_path, capsys):
+    from skipdecode.cli import main
+
+    with pytest.raises(LlamaCppMissing, match="make llamacpp-venv"):
+        llamacpp_paths(tmp_path / "nowhere")
+    assert main(["bench", "--llamacpp", "--llamacpp-venv", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("skipdecode: error: ") and err.count("\n") == 1 and "make llamacpp-venv" in err, err
+
+
+def test_step_bytes_count_every_linear_and_the_head_in_its_stored_dtype(tiny_dirs):
+    from skipdecode import LLM
+
+    llm32 = LLM.load(tiny_dirs["llama"], dtype="float32")
+    llm8 = LLM.load(tiny_dirs["llama"], dtype="int8")
+    cfg = json.loads((tiny_dirs["llama"] / "config.json").read_text())
+    h, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 2 * f * h + f * h  # wqkv, wo, w13, w2
+    params = L * per_layer + V * h
+    assert step_bytes(llm32) == 4 * params
+    outs = L * ((h + 2 * kv) + h + 2 * f + h) + V  # one bf16 scale per output channel
+    assert step_bytes(llm8) == params + 2 * outs
+
+
+def test_read_bandwidth_is_a_plausible_memory_speed():
+    bw = read_bandwidth_gbs(repeats=2, gib=0.125)
+    assert 0.5 < bw < 2000, bw  # GB/s: a DRAM or cache read rate, not a unit slip
+
+
+def test_staged_directory_adds_the_architecture_and_links_the_rest(tiny_dirs, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    cfg = json.loads((tiny_dirs["gpt2"] / "config.json").read_text())
+    cfg.pop("architectures", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    (src / "model.safetensors").write_bytes(b"weights")
+    staged = llamacpp._staged_hf_dir(src, tmp_path / "staged")
+    assert json.loads((staged / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert (staged / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((src / "config.json").read_text()).get("architectures") is None  # the source is untouched
+
+
+needs_llamacpp = pytest.mark.skipif(not (VENV / ".installed").is_file(),
+                                    reason="llama.cpp not built here (make llamacpp-venv)")
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_llamacpp_f32_decodes_the_same_greedy_tokens_as_skipdecode(default_llm, tmp_path):
+    """The peer runs the same model: converted from the same directory, its F32 greedy tokens follow ours."""
+    from skipdecode.generate import generate_tokens
+
+    paths = llamacpp_paths(VENV)
+    ggufs = llamacpp.make_ggufs(default_llm.path, ["f32", "q8_0"], VENV)
+    assert llamacpp.gguf_step_bytes(ggufs["q8_0"]) < 0.3 * llamacpp.gguf_step_bytes(ggufs["f32"])
+    ids = [default_llm.encode("Write one sentence describing this restaurant: name[The Eagle], food[Japanese].")]
+    got = llamacpp.run_llamacpp(paths, ggufs["f32"], ids, [1, 2], 16, 1, torch.get_num_threads())
+    ours = generate_tokens(default_llm.model, ids, default_llm.make_schedule(speedup=1.0), 16, eos_token_ids=())
+    assert got["tokens"][:12] == ours[0][0].token_ids[:12]
+    for b in ("1", "2"):
+        assert min(got["batches"][b]["t_n"]) > min(got["batches"][b]["t_1"]) > 0
