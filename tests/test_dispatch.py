@@ -270,3 +270,57 @@ def test_bf16_generates_on_a_cpu_without_onednn_bf16_with_the_autotuner_on(tiny_
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"onednn_bf16": False, "tokens": 6, "forms": ["hand"]}
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int4_weights_equal_the_group_dequantized_weight(use_kernels, rows):
+    """int4 runs on the kernels' int4 panels (the fp32 product with the dequantized weight) and,
+    without them, anywhere torch runs: the same codes dequantized on torch's bf16 GEMM."""
+    from skipdecode.model import dequantize_int4, quantize_int4
+
+    if use_kernels and not BUILDABLE:
+        pytest.skip("no AVX2/FMA CPU or no C++ compiler")
+    lin = _linear(n_in=96)
+    p = PackedLinear(lin, kernels.load() if use_kernels else None, "int4")
+    q, s = quantize_int4(lin.weight.detach())
+    deq = dequantize_int4(q, s)
+    x = torch.randn(rows, 96)
+    if use_kernels:
+        assert p.packed.dtype == torch.uint8 and p.dense is None and p.plan == ("hand",) * len(dispatch.BUCKETS)
+        assert p.packed.numel() == 48 * 96 // 2  # half a byte per weight, 40 outputs padded to 3 panels
+        torch.testing.assert_close(p(x), F.linear(x, deq, lin.bias), rtol=1e-5, atol=1e-5)
+    else:
+        assert p.packed is None and p.dense.dtype == torch.bfloat16
+        want = F.linear(x.bfloat16().float(), deq, lin.bias.bfloat16().float())
+        torch.testing.assert_close(p(x), want, rtol=2e-2, atol=1e-1)
+
+
+def test_int4_keeps_int8_where_inputs_do_not_fill_groups_of_32():
+    p = PackedLinear(_linear(n_in=24), kernels.load(), "int4")
+    assert p.weights == "int8"
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_an_int4_model_generates_as_the_fp32_model_of_its_dequantized_weights(tiny_dirs, use_kernels):
+    """End to end on a tiny Llama: int4 packing changes the weights to their codes and nothing else."""
+    from skipdecode.checkpoint import load_model
+    from skipdecode.model import dequantize_int4, quantize_int4
+
+    if use_kernels and not BUILDABLE:
+        pytest.skip("no AVX2/FMA CPU or no C++ compiler")
+    net4 = load_model(tiny_dirs["llama"])[0].pack_for_inference(use_kernels=use_kernels, weights="int4")
+    ref = load_model(tiny_dirs["llama"])[0]
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.Linear) and m.in_features % 32 == 0:
+                m.weight.copy_(dequantize_int4(*quantize_int4(m.weight)))
+    ref = ref.pack_for_inference(use_kernels=use_kernels)
+    assert net4.layers[0].w13.weights == "int4"
+    toks = torch.tensor([[5, 17, 99, 3, 42, 7, 250, 11]])
+    pos = torch.arange(8)[None]
+    with torch.inference_mode():
+        got, want = net4(toks, pos), ref(toks, pos)
+    # kernels: both fp32 products (summation order only); torch fallback: activations rounded to bf16
+    tol = 1e-4 if use_kernels else 5e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * 10)

@@ -59,9 +59,9 @@ def test_int8_panels_scale_each_output_of_the_fp32_product(k, rows, n, kdim):
     x = torch.randn(rows, kdim, generator=g)
     got = k.linear(x, kernels.pack_weight(q), b, n, kernels.pack_scales(s))
     torch.testing.assert_close(got, F.linear(x, q.float() * s[:, None], b), rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="int8 panels take one scale per output"):
+    with pytest.raises(RuntimeError, match="int8 and int4 panels take their scales"):
         k.linear(x, kernels.pack_weight(q), b, n)
-    with pytest.raises(RuntimeError, match="int8 panels take one scale per output"):
+    with pytest.raises(RuntimeError, match="int8 and int4 panels take their scales"):
         k.linear(x, kernels.pack_weight(q.float()), b, n, kernels.pack_scales(s))
     with pytest.raises(RuntimeError, match="one per padded output column"):
         k.linear(x, kernels.pack_weight(q), b, n, s.float().contiguous()[:1])
@@ -221,6 +221,50 @@ def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, heads, kv_heads
         k.decode_attention(q[:1], kp, vp, None, hd ** -0.5, torch.tensor([[190, 20]]))
 
 
+@needs_kernels
+@pytest.mark.parametrize("n,kdim", [(16, 32), (40, 288), (3, 544), (24, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
+def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows, n, kdim):
+    """Two codes per byte, one bf16 scale per output and 32 inputs: the fp32 product with
+    ``(q - 8) * scale`` of each group, for row counts on every micro-kernel and K blocks of 256."""
+    from skipdecode.model import dequantize_int4
+
+    g = _gen(rows * 1000 + n)
+    q = torch.randint(0, 16, (n, kdim), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, kdim // 32, generator=g) * 0.01).bfloat16()
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, kdim, generator=g)
+    packed, ps = kernels.pack_int4(q, s)
+    assert packed.dtype == torch.uint8 and packed.shape == ((n + 15) // 16, kdim, 8)
+    got = k.linear(x, packed, b, n, ps)
+    torch.testing.assert_close(got, F.linear(x, dequantize_int4(q, s), b), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="take their scales"):
+        k.linear(x, packed, b, n)
+    with pytest.raises(RuntimeError, match="bfloat16 scales"):
+        k.linear(x, packed, b, n, ps.float())
+
+
+def test_int4_quantization_is_llamacpp_q4_0s_rule():
+    """Per output and 32 inputs: the largest-magnitude weight maps to code 0 (-8 steps), codes span
+    0..15, every weight is within half a step of its code but those at the top code, which +8 steps
+    would need and Q4_0 clamps (within one step)."""
+    from skipdecode.model import dequantize_int4, quantize_int4
+
+    w = torch.randn(40, 96, generator=_gen(7))
+    q, s = quantize_int4(w)
+    assert q.dtype == torch.uint8 and q.shape == (40, 96) and s.dtype == torch.bfloat16 and s.shape == (40, 3)
+    assert int(q.max()) <= 15
+    deq = dequantize_int4(q, s)
+    step = s.float().abs().repeat_interleave(32, dim=1)
+    err = (deq - w).abs()
+    assert (err[q < 15] <= step[q < 15] / 2 + 1e-6).all() and (err <= step + 1e-6).all()
+    wg = w.reshape(40, 3, 32)
+    extreme = wg.gather(-1, wg.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(-8 * s.float(), extreme, rtol=1e-2, atol=0)  # the bf16 scale, -8 steps
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_int4(torch.randn(4, 40))
+
+
 @pytest.fixture(scope="module")
 def tiny_int8(tiny_dirs):
     """The llama tiny model with int8 weights on the kernels' int8 panels."""
@@ -229,16 +273,26 @@ def tiny_int8(tiny_dirs):
     return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int8")
 
 
+@pytest.fixture(scope="module")
+def tiny_int4(tiny_dirs):
+    """The llama tiny model with int4 weights on the kernels' int4 panels."""
+    from skipdecode.checkpoint import load_model
+
+    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int4")
+
+
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8"])
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8", "llama-int4"])
 @pytest.mark.parametrize("skip_first", [False, True])
-def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, arch, skip_first):
+def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, tiny_int4, arch, skip_first):
     """Rows of different lengths, each in its own pool slots: full-depth
     prefill, then one decode step, fused (one kernel call per layer) and
     unfused: same logits, same pool (int8 weights too: scaled panels)."""
-    net = tiny_int8 if arch == "llama-int8" else tiny_packed[arch]
+    net = {"llama-int8": tiny_int8, "llama-int4": tiny_int4}.get(arch) or tiny_packed[arch]
     if arch == "llama-int8":
         assert net.layers[0].w13.packed.dtype == torch.int8 and net.layers[0].fused_decode
+    if arch == "llama-int4":
+        assert net.layers[0].w13.packed.dtype == torch.uint8 and net.layers[0].fused_decode
     cfg, L = net.cfg, net.n_layers
     lengths = [9, 4, 6]
     prompts = [torch.randint(3, 256, (n + 1,), generator=_gen(3 + n)) for n in lengths]

@@ -452,8 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="force the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"],
+                   help="weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--trace", action="store_true", help="with --json: token ids and active layers per token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
@@ -475,8 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speedups", type=parse_speedups, default=None)
     b.add_argument("--new-tokens", type=POSITIVE, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    b.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "int8"], default=None,
-                   help="weight dtypes to run (repeatable; default all three; fp32 always runs)")
+    b.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "int8", "int4"], default=None,
+                   help="weight dtypes to run (repeatable; default float32, bfloat16 and int8; fp32 always runs)")
     b.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer (offline LLM.generate)")
     b.add_argument("--engine", action="store_true",
                    help="the serving engine under Poisson arrivals (default model: default-e2e); "
@@ -501,8 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vllm-venv", default=".venv-vllm", help="the virtualenv holding vllm-cpu (decode and --serve)")
     b.add_argument("--llamacpp", action="store_true",
                    help="against llama.cpp (F32, Q8_0, Q4_0 GGUFs of the same weights) at batch 1, 8 and 32, with "
-                        "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32 and "
-                        "int8); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
+                        "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32, "
+                        "int8 and int4); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
     b.add_argument("--llamacpp-venv", default=".venv-llamacpp", help="the virtualenv `make llamacpp-venv` builds")
     b.add_argument("--ray", action="store_true",
                    help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "
@@ -531,8 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--stats-interval", type=float_arg(0), default=10.0,
                    help="seconds between activity lines in the log (0: none)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="weights: float32, bfloat16 (AMX / AVX-512-BF16) or int8 weight-only")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"],
+                   help="weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only")
     v.add_argument("--grace", type=float_arg(0), default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -97,3 +97,17 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:
     """Per-output-channel scales of an int8 weight -> fp32, zero padded to whole panels like ``pack_weight``."""
     return F.pad(scales.float(), (0, (-scales.numel()) % PANEL)).contiguous()
+
+
+INT4_GROUP = 32  # int4 weights: one scale per output channel and 32 consecutive inputs (llama.cpp's Q4_0 block)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` int4 codes (uint8, 0..15) and ``[N, K/32]`` bf16 group scales -> the panels
+    ``linear`` streams: ``[ceil(N/16), K, 8]`` bytes (column j of a panel in the low nibble of
+    byte j, column j + 8 in the high nibble) and scales ``[ceil(N/16), K/32, 16]``, zero padded."""
+    packed = pack_weight(q.to(torch.uint8))  # [NP, K, 16]
+    packed = (packed[..., :PANEL // 2] | (packed[..., PANEL // 2:] << 4)).contiguous()
+    n, g = scales.shape
+    sc = F.pad(scales.bfloat16(), (0, 0, 0, (-n) % PANEL)).reshape(-1, PANEL, g).transpose(1, 2).contiguous()
+    return packed, sc

@@ -28,11 +28,12 @@ from .model import Transformer
 from .policies.select import schedule_for_speedup
 from .schedule import DEFAULT_DECAY, SkipSchedule
 
-# weight dtype -> the dtype the checkpoint is loaded in: bf16 and int8 are the linears' weights only,
+# weight dtype -> the dtype the checkpoint is loaded in: bf16, int8 and int4 are the linears' weights only,
 # rounded from fp32 when packed (activations, norms, embeddings and the KV cache stay fp32)
 log = logging.getLogger("skipdecode")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "int8": torch.float32, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "int8": torch.float32, "int4": torch.float32,
+           "float16": torch.float16}
 
 
 @dataclass
@@ -85,7 +86,7 @@ class LLM:
         if dtype not in _DTYPES:
             raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         net, path = load_model(model, _DTYPES[dtype])
-        if dtype in ("bfloat16", "int8") and not pack:
+        if dtype in ("bfloat16", "int8", "int4") and not pack:
             raise ModelError(f"{dtype} weights exist only packed for inference: drop pack=False or use float32")
         if pack:
             net.pack_for_inference(use_kernels, weights=dtype if dtype != "float16" else None)

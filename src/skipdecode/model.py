@@ -36,7 +36,7 @@ from . import dispatch, kernels
 from .config import ModelConfig
 
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 DRAFT_VOCAB = 8192  # token ids a lossless draft scores (benchmarks/results/lossless.md measures the effect)
@@ -57,7 +57,12 @@ class PackedLinear(nn.Module):
     - ``int8``: weight-only int8 with one scale per output channel: the same
       panels in int8 (widened to fp32 in registers, the scale applied to each
       finished sum) or torch's int8 GEMM (bf16 activations), per bucket the
-      faster. Half the bytes of bf16 per decode step, which is memory-bound.
+      faster. Half the bytes of bf16 per decode step, which is memory-bound;
+    - ``int4``: weight-only 4-bit codes with one bf16 scale per output channel
+      and group of 32 inputs (llama.cpp's Q4_0 rule, ``quantize_int4``), on the
+      compiled kernels' int4 panels only (a quarter of int8's bytes, plus the
+      scales); without the kernels, the dequantized weight on torch's bf16 GEMM.
+      A linear whose ``in_features`` is not a multiple of 32 keeps int8.
 
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
@@ -73,6 +78,8 @@ class PackedLinear(nn.Module):
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        if weights == "int4" and self.in_features % kernels.INT4_GROUP:
+            weights = "int8"  # no whole groups of 32 along this weight's inputs
         self.weights = weights
         self.kernels = kernel_module
         self.packed = self.onednn = self.dense = self.qweight = self.scales = self.panel_scales = None
@@ -93,6 +100,13 @@ class PackedLinear(nn.Module):
                 self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), self.PACK_BATCH_HINT)
             elif self.packed is None:
                 self.dense = w.bfloat16().contiguous()
+        elif weights == "int4":
+            q, sc = quantize_int4(w)
+            self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int4")
+            if self.kernels is not None:
+                self.packed, self.panel_scales = kernels.pack_int4(q, sc)
+            else:  # no compiled kernels: the same rounding, dequantized, on torch's bf16 GEMM
+                self.dense = dequantize_int4(q, sc).bfloat16()
         else:
             q, sc = quantize_int8(w)
             self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int8")
@@ -133,6 +147,30 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).bfloat16()
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scales
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise 4-bit weights, llama.cpp's Q4_0 rule: per output channel and group of 32 inputs,
+    the scale maps the entry of largest magnitude to -8 (``d = m / -8``), and each weight is
+    ``(q - 8) * d`` with ``q`` in 0..15. Returns codes ``[N, K]`` (uint8) and bf16 scales
+    ``[N, K/32]`` (the codes are rounded against the bf16 scale actually stored)."""
+    g = kernels.INT4_GROUP
+    n, k = w.shape
+    if k % g:
+        raise ValueError(f"int4 weights need in_features divisible by {g}, got {k}")
+    wg = w.float().reshape(n, k // g, g)
+    idx = wg.abs().argmax(dim=-1, keepdim=True)
+    d = (wg.gather(-1, idx) / -8).bfloat16().float()
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(wg * inv + 8).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k).contiguous(), d.squeeze(-1).bfloat16().contiguous()
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight int4 codes stand for: ``(q - 8) * scale`` of their group."""
+    n, k = q.shape
+    g = kernels.INT4_GROUP
+    return ((q.float().reshape(n, k // g, g) - 8) * scales.float()[..., None]).reshape(n, k)
 
 
 def can_pack(dtype: torch.dtype, kernel_module=None) -> bool:
@@ -394,7 +432,7 @@ class Transformer(nn.Module):
         """Swap every block linear and the LM head for ``PackedLinear``; give
         RMSNorm, RoPE, SwiGLU and decode attention the compiled kernels (no autograd).
 
-        ``weights``: ``float32``, ``bfloat16`` or ``int8`` (default: the
+        ``weights``: ``float32``, ``bfloat16``, ``int8`` or ``int4`` (default: the
         parameters' dtype); reduced precision applies to the linears' weights
         only (see ``PackedLinear``), everything else stays as loaded. Only for generation:
         training keeps the plain modules. With ``use_kernels=False`` (or where

@@ -114,7 +114,8 @@ class _HF:
                                 pad_token_id=self.pad, eos_token_id=None)
 
 
-ENGINE_NAMES = {"float32": "skipdecode", "bfloat16": "skipdecode-bf16", "int8": "skipdecode-int8"}
+ENGINE_NAMES = {"float32": "skipdecode", "bfloat16": "skipdecode-bf16", "int8": "skipdecode-int8",
+                "int4": "skipdecode-int4"}
 
 
 def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,

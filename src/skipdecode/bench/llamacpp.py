@@ -113,13 +113,14 @@ def gguf_step_bytes(path: Path) -> int:
 
 def step_bytes(llm: LLM) -> int:
     """Bytes of weights one batch-1 decode step of ``llm`` reads at full depth: every block linear and
-    the LM head, in their stored dtype (int8: plus one bf16 scale per output channel)."""
+    the LM head, in their stored dtype (int8: plus one bf16 scale per output channel; int4: half a
+    byte per weight plus one bf16 scale per output channel and 32 inputs)."""
     net = llm.model
-    per = {"float32": 4, "bfloat16": 2, "int8": 1}
     total = 0
     for m in [m for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [net.lm_head]:
-        w = getattr(m, "weights", "float32")
-        total += m.in_features * m.out_features * per[w] + (2 * m.out_features if w == "int8" else 0)
+        w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
+        total += {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
+                  "int4": n * k // 2 + 2 * n * (k // 32)}[w]
     return total
 
 
@@ -154,8 +155,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     speedups = speedups or [1.0, 2.0, 3.0]
     if 1.0 not in speedups:
         speedups = [1.0] + list(speedups)
-    dtypes = dtypes or ["float32", "int8"]
-    types = [t for t, d in LLAMACPP_TYPES.items() if d in dtypes or t == "q4_0"]
+    dtypes = dtypes or ["float32", "int8", "int4"]
+    types = [t for t, d in LLAMACPP_TYPES.items() if d in dtypes]
     N = new_tokens or (16 if quick else 64)
     R = repeats or (1 if quick else 5)
     threads = torch.get_num_threads()

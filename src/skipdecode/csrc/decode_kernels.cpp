@@ -1,4 +1,4 @@
-// CPU kernels for the decode step (fp32 activations; fp32, bf16 or int8 weights; AVX2 + FMA), built on first use by
+// CPU kernels for the decode step (fp32 activations; fp32, bf16, int8 or int4 weights; AVX2 + FMA), built on first use by
 // skipdecode/kernels.py. Inference only: no autograd.
 //
 // Why: a decode step multiplies 1-32 rows by every weight once. oneDNN and
@@ -129,6 +129,81 @@ inline void row_block(int64_t r, const float* x, int64_t K, const W* w, int64_t 
   }
 }
 
+// int4 panels (weight-only, the size class of llama.cpp's Q4_0): byte j of a panel row holds
+// column j in its low nibble and column j + 8 in its high nibble, each q in 0..15 for the value
+// (q - 8) * scale, one scale per output column and group of G4 consecutive k. An eighth of fp32's
+// bytes (plus a bf16 scale per 32 weights). The group scale varies along k, so each group's sum is
+// accumulated apart and scaled once when the group ends (one FMA per 32 k).
+constexpr int64_t G4 = 32;
+static inline void load_w4(const uint8_t* w, __m256& w0, __m256& w1) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  const __m256i eight = _mm256_set1_epi32(8);
+  w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
+  w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+}
+
+// micro_kernel for int4 panels: w points at the block's first panel row ([kc, 8] bytes), s at its
+// first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple of G4.
+template <int R>
+static inline void micro_kernel_q4(const float* x, int64_t ldx, const uint8_t* w, const uint16_t* s, int64_t kc,
+                                   float* acc, bool first, bool last, float* y, int64_t ldy, int64_t ncols,
+                                   const float* bias, const float* res) {
+  constexpr int U = R >= 4 ? 1 : R == 3 ? 2 : 4 / R;
+  constexpr int64_t NB = NR / 2;  // bytes per panel row
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) {
+    a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
+    a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR + 8);
+  }
+  for (int64_t g = 0; g < kc; g += G4) {
+    __m256 t0[U][R], t1[U][R];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r) t0[u][r] = t1[u][r] = _mm256_setzero_ps();
+    for (int64_t k = g; k < g + G4; k += U)
+      for (int u = 0; u < U; ++u) {
+        __m256 w0, w1;
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NB) + PF_BYTES, _MM_HINT_T0);
+        load_w4(w + (k + u) * NB, w0, w1);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + u);
+          t0[u][r] = _mm256_fmadd_ps(xb, w0, t0[u][r]);
+          t1[u][r] = _mm256_fmadd_ps(xb, w1, t1[u][r]);
+        }
+      }
+    __m256 s0, s1;
+    load_w(s + (g / G4) * NR, s0, s1);
+    for (int r = 0; r < R; ++r) {
+      for (int u = 1; u < U; ++u) {
+        t0[0][r] = _mm256_add_ps(t0[0][r], t0[u][r]);
+        t1[0][r] = _mm256_add_ps(t1[0][r], t1[u][r]);
+      }
+      a0[r] = _mm256_fmadd_ps(t0[0][r], s0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(t1[0][r], s1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * NR, a0[r]);
+    _mm256_storeu_ps(acc + r * NR + 8, a1[r]);
+  }
+  if (last)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < ncols; ++c)
+        y[r * ldy + c] = acc[r * NR + c] + (bias ? bias[c] : 0.f) + (res ? res[r * ldy + c] : 0.f);
+}
+
+inline void row_block_q4(int64_t r, const float* x, int64_t K, const uint8_t* w, const uint16_t* s, int64_t kc,
+                         float* acc, bool first, bool last, float* y, int64_t N, int64_t ncols, const float* bias,
+                         const float* res) {
+  switch (r) {
+    case 6: return micro_kernel_q4<6>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 5: return micro_kernel_q4<5>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 4: return micro_kernel_q4<4>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 3: return micro_kernel_q4<3>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 2: return micro_kernel_q4<2>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    default: return micro_kernel_q4<1>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+  }
+}
+
 // exp for 8 floats (Cephes' expf: x = n ln2 + r, degree-5 polynomial in r;
 // relative error ~1e-7). Inputs below ln(2^-126) (and -inf) give exactly 0.
 inline __m256 exp8(__m256 x) {
@@ -214,13 +289,40 @@ void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t N
   });
 }
 
+// The same over int4 panels ([NP, K, 8] bytes) with their group scales ([NP, K / G4, 16] bf16).
+void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
+                      const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
+    for (int64_t p = p0; p < p1; ++p) {
+      pf.part(p, NP);
+      const int64_t ncols = std::min(NR, n - p * NR);
+      const float* bp = ba ? ba + p * NR : nullptr;
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const bool first = k0 == 0, last = k0 + kc == K;
+        const uint8_t* w = wa + (p * K + k0) * (NR / 2);
+        const uint16_t* s = sa + (p * (K / G4) + k0 / G4) * NR;
+        for (int64_t m = 0; m < M; m += MR) {
+          const int64_t r = std::min(MR, M - m);
+          row_block_q4(r, xa + m * K + k0, K, w, s, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n,
+                       ncols, bp, res ? res + m * n + p * NR : nullptr);
+        }
+      }
+    }
+  });
+}
+
 // fp32, bf16 or int8 panels (the weight's dtype picks the micro-kernel; int8 panels
 // come with one fp32 scale per padded output column); activations are fp32 either way.
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
                  const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf = Prefetch()) {
   const int64_t K = packed.size(1), NP = packed.size(0);
   if (M == 0) return;
-  if (packed.scalar_type() == torch::kBFloat16)
+  if (packed.scalar_type() == torch::kByte)
+    linear_panels_q4(xa, M, packed.data_ptr<uint8_t>(), K, NP,
+                     reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
+  else if (packed.scalar_type() == torch::kBFloat16)
     linear_panels(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, nullptr, ba, n,
                   ya, res, pf);
   else if (packed.scalar_type() == torch::kChar)
@@ -232,16 +334,22 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
 void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::optional<torch::Tensor>& bias,
                   const c10::optional<torch::Tensor>& scale) {
   const auto t = packed.scalar_type();
-  check(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kChar,
-        "weight panels must be float32, bfloat16 or int8");
-  check(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "weight is not packed");
+  check(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kChar || t == torch::kByte,
+        "weight panels must be float32, bfloat16, int8 or int4 (two per uint8)");
+  check(packed.dim() == 3 && packed.size(2) == (t == torch::kByte ? NR / 2 : NR) && packed.is_contiguous(),
+        "weight is not packed");
   check(packed.size(1) == k && (n + NR - 1) / NR == packed.size(0), "shape mismatch");
   if (bias.has_value())
     check(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n, "bias");
-  check((t == torch::kChar) == scale.has_value(), "int8 panels take one scale per output, other panels none");
-  if (scale.has_value())
+  check((t == torch::kChar || t == torch::kByte) == scale.has_value(),
+        "int8 and int4 panels take their scales, other panels none");
+  if (scale.has_value() && t == torch::kChar)
     check(scale->scalar_type() == torch::kFloat && scale->is_contiguous() && scale->numel() == packed.size(0) * NR,
           "scales must be contiguous float32, one per padded output column");
+  if (scale.has_value() && t == torch::kByte)
+    check(k % G4 == 0 && scale->scalar_type() == torch::kBFloat16 && scale->is_contiguous() &&
+          scale->numel() == packed.size(0) * (k / G4) * NR,
+          "int4 panels need K divisible by 32 and contiguous bfloat16 scales [panels, K / 32, 16]");
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -671,7 +779,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 panels with their scales)", py::arg("x"),
+  m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 and int4 panels with their scales)", py::arg("x"),
         py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
