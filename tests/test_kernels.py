@@ -30,6 +30,20 @@ def k():
     return mod
 
 
+HAS_AVX512 = BUILDABLE and kernels.AVX512_FLAGS <= set(__import__("skipdecode.dispatch").dispatch.cpu_features()["isa"])
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request, k):
+    """Run the test on each form of the panel micro-kernels: AVX2 runs on every CPU the kernels
+    build on (so an AVX-512 machine checks what an AVX2-only one runs), AVX-512 where present."""
+    if request.param == "avx512" and not HAS_AVX512:
+        pytest.skip("this CPU has no AVX-512 F/BW/VL/DQ")
+    prev = k.set_isa(request.param == "avx512")
+    yield request.param
+    k.set_isa(prev)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -38,7 +52,7 @@ def _gen(seed: int) -> torch.Generator:
 @pytest.mark.parametrize("n,kdim", [(16, 8), (40, 300), (100, 600), (3, 520)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear_for_any_row_count_and_shape(k, rows, n, kdim, bias):
+def test_linear_equals_f_linear_for_any_row_count_and_shape(k, rows, n, kdim, bias, isa):
     g = _gen(rows * 1000 + n)
     w = torch.randn(n, kdim, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -51,8 +65,19 @@ def test_linear_equals_f_linear_for_any_row_count_and_shape(k, rows, n, kdim, bi
 
 @needs_kernels
 @pytest.mark.parametrize("n,kdim", [(16, 8), (40, 300), (3, 520)])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32])
+def test_bf16_panels_equal_the_fp32_product_with_the_bf16_weight(k, rows, n, kdim, isa):
+    g = _gen(rows * 1000 + n + 1)
+    w = torch.randn(n, kdim, generator=g).bfloat16()
+    x = torch.randn(rows, kdim, generator=g)
+    got = k.linear(x, kernels.pack_weight(w), None, n)
+    torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,kdim", [(16, 8), (40, 300), (3, 520)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
-def test_int8_panels_scale_each_output_of_the_fp32_product(k, rows, n, kdim):
+def test_int8_panels_scale_each_output_of_the_fp32_product(k, rows, n, kdim, isa):
     g = _gen(rows * 1000 + n)
     q = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
     s, b = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
@@ -224,7 +249,7 @@ def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, heads, kv_heads
 @needs_kernels
 @pytest.mark.parametrize("n,kdim", [(16, 32), (40, 288), (3, 544), (24, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
-def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows, n, kdim):
+def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows, n, kdim, isa):
     """Two codes per byte, one bf16 scale per output and 32 inputs: the fp32 product with
     ``(q - 8) * scale`` of each group, for row counts on every micro-kernel and K blocks of 256."""
     from skipdecode.model import dequantize_int4
@@ -235,7 +260,7 @@ def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows
     b = torch.randn(n, generator=g)
     x = torch.randn(rows, kdim, generator=g)
     packed, ps = kernels.pack_int4(q, s)
-    assert packed.dtype == torch.uint8 and packed.shape == ((n + 15) // 16, kdim, 8)
+    assert packed.dtype == torch.uint8 and packed.shape == ((n + 15) // 16, kdim // 2, 16)
     got = k.linear(x, packed, b, n, ps)
     torch.testing.assert_close(got, F.linear(x, dequantize_int4(q, s), b), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="take their scales"):
@@ -284,7 +309,7 @@ def tiny_int4(tiny_dirs):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8", "llama-int4"])
 @pytest.mark.parametrize("skip_first", [False, True])
-def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, tiny_int4, arch, skip_first):
+def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, tiny_int4, arch, skip_first, isa):
     """Rows of different lengths, each in its own pool slots: full-depth
     prefill, then one decode step, fused (one kernel call per layer) and
     unfused: same logits, same pool (int8 weights too: scaled panels)."""

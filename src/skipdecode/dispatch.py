@@ -36,7 +36,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first buc
 LIBRARY = {"float32": "onednn", "bfloat16": "onednn", "int8": "int8mm",  # the form that is not ours, per dtype
            "int4": "dense"}  # int4 has no library form: without the kernels, dequantized bf16 on torch
 COLD_BYTES = 96e6  # more than any last-level cache of a 2-32 core CPU slice: weights come from memory
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_bf16", "amx_int8")
 
 
 _SINGLE_ROW_FORMS = threading.local()  # set while a call must compute each row as a one-row call would
@@ -173,7 +174,8 @@ def _machine_key(kernel_module) -> str:
 
     src = hashlib.sha1(kernels._SRC.read_bytes()).hexdigest()[:10]
     f = cpu_features()
-    return f"{f['cpu']}|torch {torch.__version__}|kernels {src}|threads {torch.get_num_threads()}"
+    return (f"{f['cpu']}|torch {torch.__version__}|kernels {src} {kernels.isa()}|"
+            f"threads {torch.get_num_threads()}")
 
 
 def _cache_file() -> Path:

@@ -74,14 +74,34 @@ def load():
         # hold an OS lock too, released when its process dies: a ``lock`` found under it is stale.
         with atomic.locked(build_dir):
             (build_dir / "lock").unlink(missing_ok=True)
-            return build(name=name, sources=[str(_SRC)],
-                         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                         verbose=False)
+            module = build(name=name, sources=[str(_SRC)],
+                           extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           verbose=False)
+        module.set_isa(isa() == "avx512")
+        return module
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
         warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
                       f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using oneDNN. "
                       "They need g++ and ninja (a dependency); SKIPDECODE_KERNELS=0 silences this.", stacklevel=2)
         return None
+
+
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def isa() -> str:
+    """The form of the panel micro-kernels this CPU runs: ``avx512`` where it has AVX-512
+    F/BW/VL/DQ, else ``avx2``. ``SKIPDECODE_ISA=avx2`` forces the AVX2 form (to run, test or time
+    what an AVX2-only CPU runs, on any CPU)."""
+    from .dispatch import cpu_features
+
+    forced = os.environ.get("SKIPDECODE_ISA", "").lower()
+    if forced not in ("", "avx2", "avx512"):
+        raise ValueError(f"SKIPDECODE_ISA must be avx2 or avx512, got {forced!r}")
+    has = AVX512_FLAGS <= set(cpu_features()["isa"])
+    if forced == "avx512" and not has:
+        raise ValueError("SKIPDECODE_ISA=avx512 but this CPU lacks AVX-512 F/BW/VL/DQ")
+    return "avx2" if forced == "avx2" or not has else "avx512"
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -103,11 +123,14 @@ INT4_GROUP = 32  # int4 weights: one scale per output channel and 32 consecutive
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` int4 codes (uint8, 0..15) and ``[N, K/32]`` bf16 group scales -> the panels
-    ``linear`` streams: ``[ceil(N/16), K, 8]`` bytes (column j of a panel in the low nibble of
-    byte j, column j + 8 in the high nibble) and scales ``[ceil(N/16), K/32, 16]``, zero padded."""
-    packed = pack_weight(q.to(torch.uint8))  # [NP, K, 16]
-    packed = (packed[..., :PANEL // 2] | (packed[..., PANEL // 2:] << 4)).contiguous()
+    """``[N, K]`` int4 codes (uint8, 0..15, the weight ``(q - 8) * scale``) and ``[N, K/32]`` bf16
+    group scales -> the panels ``linear`` streams: ``[ceil(N/16), K/2, 16]`` bytes, byte j of pair
+    i holding column j of row 2i in its low nibble and of row 2i + 1 in its high nibble, as
+    two's-complement ``q - 8``; and the scales divided by 16 (the kernels read each nibble as
+    16 times its value), ``[ceil(N/16), K/32, 16]``, zero padded."""
+    v = pack_weight(((q.to(torch.int16) - 8) & 0xF).to(torch.uint8))  # [NP, K, 16]
+    packed = (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous()
     n, g = scales.shape
-    sc = F.pad(scales.bfloat16(), (0, 0, 0, (-n) % PANEL)).reshape(-1, PANEL, g).transpose(1, 2).contiguous()
+    sc = (scales.float() / 16).bfloat16()
+    sc = F.pad(sc, (0, 0, 0, (-n) % PANEL)).reshape(-1, PANEL, g).transpose(1, 2).contiguous()
     return packed, sc

@@ -129,61 +129,67 @@ inline void row_block(int64_t r, const float* x, int64_t K, const W* w, int64_t 
   }
 }
 
-// int4 panels (weight-only, the size class of llama.cpp's Q4_0): byte j of a panel row holds
-// column j in its low nibble and column j + 8 in its high nibble, each q in 0..15 for the value
-// (q - 8) * scale, one scale per output column and group of G4 consecutive k. An eighth of fp32's
-// bytes (plus a bf16 scale per 32 weights). The group scale varies along k, so each group's sum is
-// accumulated apart and scaled once when the group ends (one FMA per 32 k).
+// int4 panels (weight-only, the size class of llama.cpp's Q4_0): 16 bytes per pair of panel rows,
+// byte j holding column j of row 2i in its low nibble and of row 2i + 1 in its high nibble, each a
+// two's-complement 4-bit value v = q - 8 for the weight v * scale, one scale per output column
+// and group of G4 consecutive k. Shifting the low nibble up (and masking the high one in place)
+// gives 16 * v as a signed byte, so one mask and one widening per row decode it; the stored
+// scales are divided by 16 to match (exact: a power of two). An eighth of fp32's bytes, plus a
+// bf16 scale per 32 weights. The group scale varies along k, so each group's sum is accumulated
+// apart and scaled once when the group ends (one FMA per 32 k).
 constexpr int64_t G4 = 32;
-static inline void load_w4(const uint8_t* w, __m256& w0, __m256& w1) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  const __m256i eight = _mm256_set1_epi32(8);
-  w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
-  w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+
+// The two rows of a pair as signed bytes (16 * v): row 2i, row 2i + 1.
+static inline void split_pair(const uint8_t* w, __m128i& r0, __m128i& r1) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m128i hi = _mm_set1_epi8(static_cast<char>(0xf0));
+  r0 = _mm_and_si128(_mm_slli_epi16(v, 4), hi);
+  r1 = _mm_and_si128(v, hi);
 }
 
-// micro_kernel for int4 panels: w points at the block's first panel row ([kc, 8] bytes), s at its
-// first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple of G4.
+// micro_kernel for int4 panels: w points at the block's first pair of panel rows ([kc / 2, 16]
+// bytes), s at its first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple of G4. The
+// running sums live in acc between groups, so only the group's U x R pairs of accumulators
+// stay in registers (U sets take alternate rows of k to keep enough FMA chains in flight).
 template <int R>
 static inline void micro_kernel_q4(const float* x, int64_t ldx, const uint8_t* w, const uint16_t* s, int64_t kc,
                                    float* acc, bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                    const float* bias, const float* res) {
-  constexpr int U = R >= 4 ? 1 : R == 3 ? 2 : 4 / R;
-  constexpr int64_t NB = NR / 2;  // bytes per panel row
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) {
-    a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
-    a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR + 8);
-  }
+  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m256 t0[U][R], t1[U][R];
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < R; ++r) t0[u][r] = t1[u][r] = _mm256_setzero_ps();
-    for (int64_t k = g; k < g + G4; k += U)
-      for (int u = 0; u < U; ++u) {
-        __m256 w0, w1;
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NB) + PF_BYTES, _MM_HINT_T0);
-        load_w4(w + (k + u) * NB, w0, w1);
-        for (int r = 0; r < R; ++r) {
-          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + u);
-          t0[u][r] = _mm256_fmadd_ps(xb, w0, t0[u][r]);
-          t1[u][r] = _mm256_fmadd_ps(xb, w1, t1[u][r]);
-        }
+    for (int64_t k = g; k < g + G4; k += 2) {
+      const int u0 = (k - g) % U, u1 = (u0 + 1) % U;
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
+      __m128i r0, r1;
+      split_pair(w + k * 8, r0, r1);
+      const __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r0));
+      const __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r0, r0)));
+      const __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r1));
+      const __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r1, r1)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k), xb = _mm256_broadcast_ss(x + r * ldx + k + 1);
+        t0[u0][r] = _mm256_fmadd_ps(xa, w00, t0[u0][r]);
+        t1[u0][r] = _mm256_fmadd_ps(xa, w01, t1[u0][r]);
+        t0[u1][r] = _mm256_fmadd_ps(xb, w10, t0[u1][r]);
+        t1[u1][r] = _mm256_fmadd_ps(xb, w11, t1[u1][r]);
       }
+    }
     __m256 s0, s1;
     load_w(s + (g / G4) * NR, s0, s1);
+    const bool fresh = first && g == 0;
     for (int r = 0; r < R; ++r) {
       for (int u = 1; u < U; ++u) {
         t0[0][r] = _mm256_add_ps(t0[0][r], t0[u][r]);
         t1[0][r] = _mm256_add_ps(t1[0][r], t1[u][r]);
       }
-      a0[r] = _mm256_fmadd_ps(t0[0][r], s0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(t1[0][r], s1, a1[r]);
+      const __m256 b0 = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
+      const __m256 b1 = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR + 8);
+      _mm256_storeu_ps(acc + r * NR, _mm256_fmadd_ps(t0[0][r], s0, b0));
+      _mm256_storeu_ps(acc + r * NR + 8, _mm256_fmadd_ps(t1[0][r], s1, b1));
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc + r * NR, a0[r]);
-    _mm256_storeu_ps(acc + r * NR + 8, a1[r]);
   }
   if (last)
     for (int r = 0; r < R; ++r)
@@ -201,6 +207,129 @@ inline void row_block_q4(int64_t r, const float* x, int64_t K, const uint8_t* w,
     case 3: return micro_kernel_q4<3>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
     case 2: return micro_kernel_q4<2>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
     default: return micro_kernel_q4<1>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+  }
+}
+
+// AVX-512 forms of the micro-kernels (AVX-512 F/BW/VL/DQ, chosen at run time by set_isa; the
+// file is built for AVX2 + FMA and only these functions use the wider instructions): a panel
+// row of 16 outputs is one register, so each weight row takes half the loads, widenings and
+// FMAs of the AVX2 form. Decode with int8/int4/bf16 weights is bound by those instructions,
+// not by memory, on the 2-core slices measured here.
+#define SD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+bool g_avx512 = false;
+
+SD_AVX512 static inline __m512 load_w16(const float* w) { return _mm512_loadu_ps(w); }
+SD_AVX512 static inline __m512 load_w16(const uint16_t* w) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
+}
+SD_AVX512 static inline __m512 load_w16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int R>
+SD_AVX512 static inline void finish512(__m512* a, float* acc, bool last, float* y, int64_t ldy, int64_t ncols,
+                                       const float* scale, const float* bias, const float* res) {
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * NR, a[r]);
+  if (last)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < ncols; ++c)
+        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
+                         (res ? res[r * ldy + c] : 0.f);
+}
+
+// U independent accumulator sets so that R * U >= 8 FMA chains are in flight.
+template <int R, typename W>
+SD_AVX512 static inline void micro_kernel512(const float* x, int64_t ldx, const W* w, int64_t kc, float* acc,
+                                             bool first, bool last, float* y, int64_t ldy, int64_t ncols,
+                                             const float* scale, const float* bias, const float* res) {
+  constexpr int U = R >= 4 ? 2 : R == 3 ? 3 : 8 / R;
+  __m512 a[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) a[u][r] = (first || u > 0) ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
+  int64_t k = 0;
+  for (; k + U <= kc; k += U)
+    for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_BYTES, _MM_HINT_T0);
+      const __m512 wv = load_w16(w + (k + u) * NR);
+      for (int r = 0; r < R; ++r) a[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), wv, a[u][r]);
+    }
+  for (; k < kc; ++k) {
+    const __m512 wv = load_w16(w + k * NR);
+    for (int r = 0; r < R; ++r) a[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, a[0][r]);
+  }
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r) a[0][r] = _mm512_add_ps(a[0][r], a[u][r]);
+  finish512<R>(a[0], acc, last, y, ldy, ncols, scale, bias, res);
+}
+
+template <typename W>
+SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, int64_t kc, float* acc, bool first,
+                            bool last, float* y, int64_t N, int64_t ncols, const float* scale, const float* bias,
+                            const float* res) {
+  switch (r) {
+    case 6: return micro_kernel512<6>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 5: return micro_kernel512<5>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 4: return micro_kernel512<4>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 3: return micro_kernel512<3>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 2: return micro_kernel512<2>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    default: return micro_kernel512<1>(x, K, w, kc, acc, first, last, y, N, ncols, scale, bias, res);
+  }
+}
+
+// int4 (layout above): each row of a pair widens to 16 lanes in one instruction.
+SD_AVX512 static inline void split_pair512(const uint8_t* w, __m128i& r0, __m128i& r1) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m128i hi = _mm_set1_epi8(static_cast<char>(0xf0));
+  r0 = _mm_and_si128(_mm_slli_epi16(v, 4), hi);
+  r1 = _mm_and_si128(v, hi);
+}
+
+template <int R>
+SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, const uint8_t* w, const uint16_t* s,
+                                                 int64_t kc, float* acc, bool first, bool last, float* y, int64_t ldy,
+                                                 int64_t ncols, const float* bias, const float* res) {
+  constexpr int U = R == 1 ? 8 : R == 2 ? 4 : 2;
+  for (int64_t g = 0; g < kc; g += G4) {
+    __m512 t[U][R];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r) t[u][r] = _mm512_setzero_ps();
+    for (int64_t k = g; k < g + G4; k += 2) {
+      const int u0 = (k - g) % U, u1 = (u0 + 1) % U;
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
+      __m128i r0, r1;
+      split_pair512(w + k * 8, r0, r1);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1));
+      for (int r = 0; r < R; ++r) {
+        t[u0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, t[u0][r]);
+        t[u1][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, t[u1][r]);
+      }
+    }
+    const __m512 sc = load_w16(s + (g / G4) * NR);
+    const bool fresh = first && g == 0;
+    for (int r = 0; r < R; ++r) {
+      for (int u = 1; u < U; ++u) t[0][r] = _mm512_add_ps(t[0][r], t[u][r]);
+      const __m512 base = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
+      _mm512_storeu_ps(acc + r * NR, _mm512_fmadd_ps(t[0][r], sc, base));
+    }
+  }
+  if (last)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < ncols; ++c)
+        y[r * ldy + c] = acc[r * NR + c] + (bias ? bias[c] : 0.f) + (res ? res[r * ldy + c] : 0.f);
+}
+
+SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const uint8_t* w, const uint16_t* s, int64_t kc,
+                                float* acc, bool first, bool last, float* y, int64_t N, int64_t ncols,
+                                const float* bias, const float* res) {
+  switch (r) {
+    case 6: return micro_kernel_q4_512<6>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 5: return micro_kernel_q4_512<5>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 4: return micro_kernel_q4_512<4>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 3: return micro_kernel_q4_512<3>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 2: return micro_kernel_q4_512<2>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    default: return micro_kernel_q4_512<1>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
   }
 }
 
@@ -281,15 +410,19 @@ void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t N
         const W* w = wa + (p * K + k0) * NR;
         for (int64_t m = 0; m < M; m += MR) {
           const int64_t r = std::min(MR, M - m);
-          row_block(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols, sp,
-                    bp, res ? res + m * n + p * NR : nullptr);
+          if (g_avx512)
+            row_block512(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols,
+                         sp, bp, res ? res + m * n + p * NR : nullptr);
+          else
+            row_block(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols,
+                      sp, bp, res ? res + m * n + p * NR : nullptr);
         }
       }
     }
   });
 }
 
-// The same over int4 panels ([NP, K, 8] bytes) with their group scales ([NP, K / G4, 16] bf16).
+// The same over int4 panels ([NP, K / 2, 16] bytes) with their group scales ([NP, K / G4, 16] bf16).
 void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
                       const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
@@ -301,12 +434,16 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const bool first = k0 == 0, last = k0 + kc == K;
-        const uint8_t* w = wa + (p * K + k0) * (NR / 2);
+        const uint8_t* w = wa + (p * K + k0) * (NR / 2);  // [NP, K / 2, 16] bytes
         const uint16_t* s = sa + (p * (K / G4) + k0 / G4) * NR;
         for (int64_t m = 0; m < M; m += MR) {
           const int64_t r = std::min(MR, M - m);
-          row_block_q4(r, xa + m * K + k0, K, w, s, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n,
-                       ncols, bp, res ? res + m * n + p * NR : nullptr);
+          if (g_avx512)
+            row_block_q4_512(r, xa + m * K + k0, K, w, s, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR,
+                             n, ncols, bp, res ? res + m * n + p * NR : nullptr);
+          else
+            row_block_q4(r, xa + m * K + k0, K, w, s, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n,
+                         ncols, bp, res ? res + m * n + p * NR : nullptr);
         }
       }
     }
@@ -317,7 +454,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
 // come with one fp32 scale per padded output column); activations are fp32 either way.
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
                  const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf = Prefetch()) {
-  const int64_t K = packed.size(1), NP = packed.size(0);
+  const int64_t K = packed.size(1) * (packed.scalar_type() == torch::kByte ? 2 : 1), NP = packed.size(0);
   if (M == 0) return;
   if (packed.scalar_type() == torch::kByte)
     linear_panels_q4(xa, M, packed.data_ptr<uint8_t>(), K, NP,
@@ -336,9 +473,8 @@ void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::
   const auto t = packed.scalar_type();
   check(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kChar || t == torch::kByte,
         "weight panels must be float32, bfloat16, int8 or int4 (two per uint8)");
-  check(packed.dim() == 3 && packed.size(2) == (t == torch::kByte ? NR / 2 : NR) && packed.is_contiguous(),
-        "weight is not packed");
-  check(packed.size(1) == k && (n + NR - 1) / NR == packed.size(0), "shape mismatch");
+  check(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(), "weight is not packed");
+  check(packed.size(1) == (t == torch::kByte ? k / 2 : k) && (n + NR - 1) / NR == packed.size(0), "shape mismatch");
   if (bias.has_value())
     check(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n, "bias");
   check((t == torch::kChar || t == torch::kByte) == scale.has_value(),
@@ -722,7 +858,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
         "KV pool must be contiguous float32 [kv_heads, slots, head_dim]");
   const int64_t B = x.size(0), D = x.size(2), KVH = kpool.size(0), slots = kpool.size(1), hd = kpool.size(2);
   check_rows(rows, B, slots);
-  const int64_t nqkv = (H + 2 * KVH) * hd, I = w2.size(1);
+  const int64_t nqkv = (H + 2 * KVH) * hd, I = w2.size(1) * (w2.scalar_type() == torch::kByte ? 2 : 1);
   check_packed(wqkv, D, nqkv, bqkv, sqkv);
   check_packed(wo, H * hd, D, bo, so);
   check_packed(w13, D, 2 * I, b13, s13);
@@ -778,7 +914,16 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   return h;
 }
 
+// Which form of the panel micro-kernels runs: AVX-512 where the CPU has it (the caller checks
+// its flags), AVX2 + FMA otherwise. Returns the previous setting.
+bool set_isa(bool avx512) {
+  const bool prev = g_avx512;
+  g_avx512 = avx512;
+  return prev;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_isa", &set_isa, "use the AVX-512 micro-kernels (true) or the AVX2 ones (false)", py::arg("avx512"));
   m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 and int4 panels with their scales)", py::arg("x"),
         py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
