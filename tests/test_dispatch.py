@@ -250,26 +250,30 @@ def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
 
 
 @needs_kernels
-def test_bf16_generates_on_a_cpu_without_onednn_bf16_with_the_autotuner_on(tiny_cli_dir, tmp_path):
-    """oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, as on an AVX2-only AMD EPYC):
-    its bf16 reorder raises there, so neither packing nor the autotuner may call it;
-    bf16 weights run on the compiled panels and generate the same tokens as fp32
-    would within bf16 rounding (here: the run completes and reports its path)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_every_dtype_generates_on_an_avx2_only_cpu_with_the_autotuner_on(tiny_cli_dir, tmp_path, dtype):
+    """An AVX2-only CPU (an AMD EPYC without AVX-512) simulated on any machine: oneDNN capped at
+    AVX2 (``ONEDNN_MAX_CPU_ISA``: its bf16 reorder raises there, so neither packing nor the
+    autotuner may call it) and the kernels' AVX2 form (``SKIPDECODE_ISA=avx2``). Every reduced
+    dtype packs, autotunes and generates; bf16 and int4 run on the compiled panels only."""
     import os
     import subprocess
     import sys
 
     script = (
-        "import json, torch; from skipdecode import LLM; from skipdecode.dispatch import cpu_features\n"
-        f"llm = LLM.load({str(tiny_cli_dir)!r}, dtype='bfloat16')\n"
-        "o = llm.generate('Describe a pub.', max_new_tokens=6, speedup=2)[0]\n"
-        "print(json.dumps({'onednn_bf16': cpu_features()['onednn_bf16'], 'tokens': len(o.token_ids),\n"
-        "                  'forms': sorted(set(llm.model.layers[0].wqkv.plan))}))\n")
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", SKIPDECODE_AUTOTUNE="1", SKIPDECODE_CACHE=str(tmp_path))
+        "import json, torch; from skipdecode import LLM, kernels; from skipdecode.dispatch import cpu_features\n"
+        f"llm = LLM.load({str(tiny_cli_dir)!r}, dtype={dtype!r})\n"
+        "o = llm.generate('Describe a pub.', max_new_tokens=6, speedup=2, ignore_eos=True)[0]\n"
+        "print(json.dumps({'onednn_bf16': cpu_features()['onednn_bf16'], 'isa': kernels.isa(),\n"
+        "                  'tokens': len(o.token_ids), 'forms': sorted(set(llm.model.layers[0].wqkv.plan))}))\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", SKIPDECODE_ISA="avx2", SKIPDECODE_AUTOTUNE="1",
+               SKIPDECODE_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out == {"onednn_bf16": False, "tokens": 6, "forms": ["hand"]}
+    assert out["onednn_bf16"] is False and out["isa"] == "avx2" and out["tokens"] == 6
+    if dtype != "int8":
+        assert out["forms"] == ["hand"]
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .. import atomic
+from .. import atomic, kernels
 from .. import __version__
 from ..generate import generate_tokens
 from ..llm import LLM
@@ -169,7 +169,8 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
                 "quick": quick, "dtypes": dtypes, "greedy": True, "eos_ignored": True,
                 "prompt_tokens": [len(x) for x in encoded],
-                "decode_kernels": ("skipdecode CPU kernels (AVX2/FMA) and oneDNN, per row count the faster "
+                "decode_kernels": (f"skipdecode CPU kernels ({kernels.isa().upper()} form) and oneDNN, per row count "
+                                   "the faster "
                                    "(autotuned)" + (", one fused call per layer where faster"
                                                     if any(blk.fuse_plan) else "")
                                    if on_kernels else "oneDNN + torch"),

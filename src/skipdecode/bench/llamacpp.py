@@ -230,7 +230,10 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     for t, toks in peer_tokens.items():
         k = next((i for i, (a, b) in enumerate(zip(toks, ours_tokens)) if a != b), min(len(toks), len(ours_tokens)))
         agree[t] = k
+    from .. import kernels
+
     settings = {"model": model, "model_path": str(base.path), "num_layers": L, "new_tokens": N, "repeats": R,
+                "kernels_isa": kernels.isa() if base.model.kernels is not None else None,
                 "quick": quick, "threads": threads, "dtypes": dtypes, "llamacpp_types": types, "greedy": True,
                 "eos_ignored": True, "prompt_tokens": [len(x) for x in encoded], "llama_cpp_python": version,
                 "ggufs": {t: {"file": str(p), "bytes": p.stat().st_size} for t, p in ggufs.items()},
@@ -262,7 +265,8 @@ def render_markdown(report: dict) -> str:
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {s['threads']} threads for both engines, {m['platform']}",
         f"- ISA: {', '.join(feats.get('isa', [])) or 'unknown'} (oneDNN bf16 {'yes' if feats.get('onednn_bf16') else 'no'});"
-        f" llama.cpp built here with its native ISA (`make llamacpp-venv`)",
+        f" skipdecode's kernels in their {s.get('kernels_isa') or 'no'} form; llama.cpp built here with its native "
+        "ISA (`make llamacpp-venv`)",
         f"- Versions: torch {m['torch']}, skipdecode {m['skipdecode']}, llama-cpp-python {s['llama_cpp_python']}",
         f"- Model: `{s['model']}` ({s['num_layers']} layers); GGUFs made from the same Hugging Face directory by "
         "llama.cpp's converter (F32) and `llama-quantize` (Q8_0, Q4_0, llama.cpp's default tensor choices): "
