@@ -57,7 +57,8 @@ vllm-venv: $(VLLM_VENV)/.installed
 # llama-cpp-python sdist's vendored tree with the build machine's native ISA (shared libraries,
 # llama-server, llama-quantize; about 12 minutes on 2 cores), and the Python bindings pointed at
 # those libraries through LLAMA_CPP_LIB_PATH. The converter (convert_hf_to_gguf.py) runs from the
-# same tree, so GGUFs are made from the same Hugging Face weights skipdecode runs.
+# same tree with this virtualenv's python (torch, transformers, sentencepiece), so GGUFs are made
+# from the same Hugging Face weights skipdecode runs.
 LLAMACPP_VENV := .venv-llamacpp
 LLAMACPP_VERSION := 0.3.36
 $(LLAMACPP_VENV)/.installed:
@@ -72,7 +73,7 @@ $(LLAMACPP_VENV)/.installed:
 	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
 	cmake --build $(LLAMACPP_VENV)/build -j $$(nproc) --target llama llama-server llama-quantize
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(LLAMACPP_VENV)/bin/pip install -q $(LLAMACPP_VENV)/src
-	$(LLAMACPP_VENV)/bin/pip install -q numpy
+	$(LLAMACPP_VENV)/bin/pip install -q -c constraints.txt numpy torch transformers safetensors sentencepiece protobuf
 	LLAMA_CPP_LIB_PATH=$(CURDIR)/$(LLAMACPP_VENV)/build/bin $(LLAMACPP_VENV)/bin/python -c \
 	  "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready')"
 	touch $@
