@@ -62,7 +62,8 @@ class PackedLinear(nn.Module):
       and group of 32 inputs (llama.cpp's Q4_0 rule, ``quantize_int4``), on the
       compiled kernels' int4 panels only (a quarter of int8's bytes, plus the
       scales); without the kernels, the dequantized weight on torch's bf16 GEMM.
-      A linear whose ``in_features`` is not a multiple of 32 keeps int8.
+      A linear whose ``in_features`` is not a multiple of 32 keeps int8, and
+      so does the LM head (``Transformer.pack_for_inference``).
 
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
@@ -456,9 +457,12 @@ class Transformer(nn.Module):
             fuse = any(block.fuse_plan)
             for name in names:
                 setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))
-        self.lm_head = PackedLinear(self.lm_head, k, weights)
+        # int4 keeps the LM head in int8, as llama.cpp's Q4_0 keeps its output matrix at 6 bits: 4-bit
+        # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
+        head = "int8" if weights == "int4" else weights
+        self.lm_head = PackedLinear(self.lm_head, k, head)
         if self.draft_head is not None:
-            self.draft_head = PackedLinear(self.draft_head, k, weights)
+            self.draft_head = PackedLinear(self.draft_head, k, head)
         for m in self.modules():
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
