@@ -67,6 +67,15 @@ def machine_info() -> dict:
             "skipdecode": __version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def write_report(out_dir: str | os.PathLike, name: str, report: dict, render) -> None:
+    """``NAME.json`` (the whole report) and ``NAME.md`` (``render(report)``) under ``out_dir``, atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    atomic.write_text(out / f"{name}.md", render(report))
+    print(f"wrote {out / name}.json and .md", flush=True)
+
+
 class _Ours:
     def __init__(self, llm: LLM, ids: list[list[int]]):
         self.llm, self.ids = llm, ids
@@ -284,12 +293,7 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                 r["tokens_per_s_vs_vllm"] = round(r["decode_tokens_per_s"] / v["decode_tokens_per_s"], 3)
     settings.update(vllm=vllm_ver, vllm_note=vllm_note)
     report = {"machine": machine_info(), "settings": settings, "results": results}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "bench-quick" if quick else "bench"
-    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    atomic.write_text(out / f"{name}.md", render_markdown(report))
-    log(f"wrote {out / name}.json and .md")
+    write_report(out_dir, "bench-quick" if quick else "bench", report, render_markdown)
     return report
 
 

@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 
-from .. import atomic
 from ..checkpoint import cache_dir, hf_architecture
 from ..errors import SkipDecodeError
 from ..generate import generate_tokens
 from ..llm import LLM
-from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info
+from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, write_report
 
 # llama.cpp weight type -> the skipdecode weight dtype of the same size class
 LLAMACPP_TYPES = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
@@ -241,16 +240,11 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 "greedy_tokens_agreeing_with_skipdecode": {"reference": dtypes[0], "of": N, **agree},
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     report = {"machine": machine_info(), "settings": settings, "results": results}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "llamacpp-quick" if quick else "llamacpp"
-    atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    atomic.write_text(out / f"{name}.md", render_markdown(report))
+    write_report(out_dir, "llamacpp-quick" if quick else "llamacpp", report, render_markdown)
     for r in results:
         log(f"B={r['batch_size']:<3} {r['engine']:<17} {r['speedup_target']:g}x {r['ms_per_step']:8.2f} ms/step "
             f"{r['decode_tokens_per_s']:8.1f} tok/s" + (f"  {r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}"
                                                          if "vs_llamacpp" in r else ""))
-    log(f"wrote {out / name}.json and .md")
     return report
 
 
