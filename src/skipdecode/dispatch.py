@@ -251,7 +251,7 @@ def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = 
     if kernel_module is None:
         return tuple(False for _ in BUCKETS)
     if weights == "int4" or weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
-        return tuple(True for _ in BUCKETS)  # the panels are the only int8 form of some of them
+        return tuple(True for _ in BUCKETS)  # the panels are the only int4 form, or the only int8 form of some
     if weights == "bfloat16" and not cpu_features()["onednn_bf16"]:
         return tuple(True for _ in BUCKETS)  # no oneDNN bf16 on this CPU (AVX2 only): the panels are the bf16 form
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":

@@ -1,8 +1,8 @@
 """Quality in every weight dtype (``skipdecode bench --dtype-parity``): the shipped model on
 e2e-heldout's report part (restaurant names never seen in training, never used to choose
-anything), greedy, at 1x-3x, in fp32, bf16, int8 and int4. BLEU against fp32's, and greedy token agreement: the share of fp32's generated tokens that the
-other dtype reproduces at the same position before the two first diverge, and the share of outputs
-that are identical."""
+anything), greedy, at 1x-3x, in fp32, bf16, int8 and int4. BLEU against fp32's, and greedy token
+agreement: the share of fp32's generated tokens that the other dtype reproduces at the same
+position before the two first diverge, and the share of outputs that are identical."""
 
 from __future__ import annotations
 

