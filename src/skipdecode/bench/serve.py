@@ -333,7 +333,9 @@ def render_markdown(report: dict) -> str:
             lines += [f"- {s[note]}"]
     gp = report.get("max_request_goodput")
     if gp is not None:
-        lines += [f"- Request goodput (vLLM's): requests/s whose TPOT is within {s['tpot_limit_ms']:.0f} ms."]
+        lines += [f"- As `vllm bench serve` reports them: tok/s is its output throughput (output tokens over the "
+                  f"run's duration), TTFT and TPOT its percentiles, request goodput the requests/s whose TPOT is "
+                  f"within {s['tpot_limit_ms']:.0f} ms."]
     lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |"
               + (" goodput (req/s) |" if gp is not None else ""), "|---|---|---|---|---|" + ("---|" if gp is not None else "")]
     for r in runs:
