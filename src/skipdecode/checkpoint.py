@@ -52,7 +52,11 @@ def shipped_adapter(name: str) -> Path:
     return Path(__file__).resolve().parent / "models" / name
 
 
-SHIPPED_MODELS = {"default-e2e": "the default model fine-tuned with SkipDecode schedules on E2E (LoRA)"}
+SHIPPED_MODELS = {
+    "default-e2e": "the default model fine-tuned with SkipDecode schedules on E2E (LoRA)",
+    "qwen2.5-coder-0.5b-e2e": "Qwen2.5-Coder-0.5B-Instruct fine-tuned with SkipDecode schedules on E2E "
+                              "(LoRA, bf16; `skipdecode pull qwen2.5-coder-0.5b-e2e` fetches its base)",
+}
 
 
 def base_of_shipped(name: str) -> str:
