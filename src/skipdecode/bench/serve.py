@@ -331,26 +331,29 @@ def render_markdown(report: dict) -> str:
     for note in ("vllm_note", "llamacpp_note"):
         if s.get(note):
             lines += [f"- {s[note]}"]
-    gp = report.get("max_request_goodput")
+    gp = report.get("max_request_goodput")  # only where vllm bench serve drove the load
     if gp is not None:
         lines += [f"- As `vllm bench serve` reports them: tok/s is its output throughput (output tokens over the "
                   f"run's duration), TTFT and TPOT its percentiles, request goodput the requests/s whose TPOT is "
                   f"within {s['tpot_limit_ms']:.0f} ms."]
-    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |"
-              + (" goodput (req/s) |" if gp is not None else ""), "|---|---|---|---|---|" + ("---|" if gp is not None else "")]
+
+    def vs(x: float, peer: float | None) -> str:
+        return f"{x / peer:.2f}x" if peer else ""
+
+    run_gp, sum_gp = ((" goodput (req/s) |", "---|"), (" max goodput (req/s) | vs vLLM | vs llama.cpp |",
+                                                      "---|---|---|")) if gp is not None else (("", ""), ("", ""))
+    lines += ["", "| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) |" + run_gp[0],
+              "|---|---|---|---|---|" + run_gp[1]]
     for r in runs:
         lines.append(f"| {r['system']} | {r['rate']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
                      f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} |"
                      + (f" {r['request_goodput']:.2f} |" if gp is not None else ""))
-    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM | vs llama.cpp |"
-              + (" max goodput (req/s) | vs vLLM | vs llama.cpp |" if gp is not None else ""),
-              "|---|---|---|---|" + ("---|---|---|" if gp is not None else "")]
-    v, lc = sus.get("vllm"), sus.get("llama.cpp")
+    lines += ["", "| system | sustainable tok/s (p99 TPOT <= limit) | vs vLLM | vs llama.cpp |" + sum_gp[0],
+              "|---|---|---|---|" + sum_gp[1]]
     for k, x in sus.items():
-        row = f"| {k} | {x:.1f} | {f'{x / v:.2f}x' if v else ''} | {f'{x / lc:.2f}x' if lc else ''} |"
+        row = f"| {k} | {x:.1f} | {vs(x, sus.get('vllm'))} | {vs(x, sus.get('llama.cpp'))} |"
         if gp is not None:
-            g, gv, gl = gp[k], gp.get("vllm"), gp.get("llama.cpp")
-            row += f" {g:.2f} | {f'{g / gv:.2f}x' if gv else ''} | {f'{g / gl:.2f}x' if gl else ''} |"
+            row += f" {gp[k]:.2f} | {vs(gp[k], gp.get('vllm'))} | {vs(gp[k], gp.get('llama.cpp'))} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 
