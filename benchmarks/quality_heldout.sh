@@ -16,6 +16,9 @@ ev() {  # ev STEM MODEL [evaluate flags...]: score MODEL on select and report
       --model "$model" --out $R/eval-$split-$stem.json "$@"
   done
 }
+scored() {  # scored STEM: both splits of STEM are already scored (its model is not needed again)
+  [ -f $R/eval-select-$1.json ] && [ -f $R/eval-report-$1.json ]
+}
 train() {  # train RUN RECIPE [flags...]: train (or resume) unless finished
   local run=$1 recipe=$2; shift 2
   [ -f runs/$run/adapter_model.safetensors ] || [ -f runs/$run/model.safetensors ] || \
@@ -27,16 +30,17 @@ ev untrained default --speedups 1,2,3,4,5
 [ -f $R/eval-report-default-e2e.json ] || benchmarks/ship_default_e2e.sh
 # (ship_default_e2e.sh also calibrates and scores the adaptive thresholds: eval-*-default-e2e-adaptive.json)
 # nested layer sets by measured influence: the shipped recipe with --mode nested
-train default-e2e-nested recipes/default-e2e-nested.yaml
+scored default-e2e-nested || train default-e2e-nested recipes/default-e2e-nested.yaml
 ev default-e2e-nested runs/default-e2e-nested --speedups 1,2,3,4,5
 # the full-depth-only reference: the shipped recipe at 1x only
-train heldout-full-only recipes/default-e2e.yaml --speedups 1
+scored full-only || train heldout-full-only recipes/default-e2e.yaml --speedups 1
 ev full-only runs/heldout-full-only --speedups 1
 # early exit with the same monotone budgets, the shipped recipe
-train heldout-early-exit recipes/default-e2e.yaml --mode early_exit
+scored early-exit || train heldout-early-exit recipes/default-e2e.yaml --mode early_exit
 ev early-exit runs/heldout-early-exit --speedups 1,2,3,4,5
 # static layer drop (ShortGPT), one pruned model per speedup, fine-tuned at its own depth
 for x in 2 3 5; do
+  scored drop-${x}x && continue
   [ -f runs/heldout-drop-${x}x-base/config.json ] || $BIN/skipdecode prune --model default --data e2e-heldout \
     --speedup $x -o runs/heldout-drop-${x}x-base
   train heldout-drop-${x}x recipes/default-e2e.yaml --model runs/heldout-drop-${x}x-base --speedups 1
