@@ -54,6 +54,10 @@ def test_generate_lossless_gives_full_depth_tokens_and_reports_its_drafts(tiny_c
     assert "lossless" in err and "drafts accepted" in err
     assert main(["generate", "--model", str(tiny_cli_dir), "--draft-tokens", "2", PROMPTS[0]]) != 0
     assert "--draft-tokens applies to --lossless generation only" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_cli_dir), "--draft-confidence", "0.5", PROMPTS[0]]) != 0
+    assert "--draft-confidence applies to --lossless generation only" in capsys.readouterr().err
+    objs = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--lossless", "--draft-confidence", "0.9", *PROMPTS)
+    assert [o["token_ids"] for o in objs] == [f["token_ids"] for f in full]
 
 
 def test_generate_adaptive_threshold_zero_is_the_static_schedule_and_others_run_no_shallower(tiny_cli_dir, capsys):

@@ -118,6 +118,25 @@ def test_each_draft_length_matches_full_depth_at_every_speedup(deep, k):
         assert all(b == sched.budget(pos - 1) for pos, b, _ in spec.acceptance)
 
 
+def test_a_draft_confidence_cutoff_ends_rounds_early_and_output_still_matches_full_depth(deep):
+    """A round stops drafting after a draft its pass was less sure of than
+    ``draft_confidence``: rounds get shorter as the cutoff rises (a cutoff no
+    draft reaches leaves one draft per round), full depth's tokens stay."""
+    ref, model = deep
+    g = torch.Generator().manual_seed(21)
+    for speedup in (2, 3, 5):
+        prompt = torch.randint(3, VOCAB, (13,), generator=g).tolist()
+        full = naive_generate(ref, prompt, SkipSchedule.full_depth(L), 24)
+        per_round = []
+        for conf in (0.0, 0.3, 0.9999):
+            out = _alone(model, prompt, 24, schedule=_sched(speedup, 24), lossless=True, draft_tokens=8,
+                         draft_confidence=conf, ignore_eos=True)
+            assert out.token_ids == full, (speedup, conf)
+            per_round.append(out.draft.drafted / out.draft.rounds)
+        assert per_round[0] >= per_round[1] >= per_round[2] == 1.0, per_round
+        assert per_round[0] > 1.0
+
+
 def test_eos_drafted_or_verified_ends_the_request_as_full_depth_does(deep):
     """EOS stops a round's drafting; a lossless request ends where full depth ends."""
     ref, model = deep
@@ -235,6 +254,11 @@ def test_bad_lossless_options_are_clear_errors(deep):
     for bad in (0, 17, True, 2.5):
         with pytest.raises(EngineError, match="draft_tokens must be an integer in"):
             eng.make_request([5, 6], max_new_tokens=8, lossless=True, draft_tokens=bad)
+    with pytest.raises(EngineError, match="draft_confidence applies to lossless requests only"):
+        eng.make_request([5, 6], max_new_tokens=8, draft_confidence=0.5)
+    for bad in (1.0, -0.1, True, "0.5", float("nan")):
+        with pytest.raises(EngineError, match=r"draft_confidence must be a number in \[0, 1\)"):
+            eng.make_request([5, 6], max_new_tokens=8, lossless=True, draft_confidence=bad)
     with pytest.raises(EngineError, match="lossless must be true or false"):
         eng.make_request([5, 6], max_new_tokens=8, lossless="yes")
     shared = Engine(model, EngineConfig(kv_slots=200, policy="shared"))
@@ -303,13 +327,17 @@ def test_sampled_lossless_tokens_are_distributed_as_full_depth_sampling(tmp_path
         outs = eng.run()
         return torch.tensor([o.token_ids for o in outs]), outs
 
-    toks, outs = run(schedule=sched, lossless=True, draft_tokens=2)
-    drafted = sum(o.draft.drafted for o in outs)
-    accepted = sum(o.draft.accepted for o in outs)
-    assert 0.1 * drafted < accepted < 0.9 * drafted, "both the acceptance and the residual paths ran often"
-    for j, m in ((1, m1), (2, m2)):
-        counts = torch.bincount(toks[:, j], minlength=V)
-        assert _chi2_p(counts, m) > FALSE_ALARM, f"token {j} is not distributed as full depth's"
+    # drafting all K, and stopping a round after a draft sampled with probability < 0.3
+    for conf in (0.0, 0.3):
+        toks, outs = run(schedule=sched, lossless=True, draft_tokens=2, draft_confidence=conf)
+        drafted = sum(o.draft.drafted for o in outs)
+        accepted = sum(o.draft.accepted for o in outs)
+        assert 0.1 * drafted < accepted < 0.9 * drafted, "both the acceptance and the residual paths ran often"
+        if conf:
+            assert drafted < 2 * sum(o.draft.rounds for o in outs), "some rounds stopped drafting early"
+        for j, m in ((1, m1), (2, m2)):
+            counts = torch.bincount(toks[:, j], minlength=V)
+            assert _chi2_p(counts, m) > FALSE_ALARM, f"token {j} is not distributed as full depth's (c={conf})"
 
     plain, _ = run(schedule=sched)
     assert min(_chi2_p(torch.bincount(plain[:, j], minlength=V), m) for j, m in ((1, m1), (2, m2))) < FALSE_ALARM

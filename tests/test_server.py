@@ -112,9 +112,10 @@ def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage
     c = client(server)
     prompt = "Describe a pub by the river."
     want = llm.generate(prompt, max_new_tokens=16, chat=False)[0]  # full depth
-    for sp, k in ((2, 1), (2.5, 4), (3, 8)):
+    for sp, k, conf in ((2, 1, 0.0), (2.5, 4, 0.5), (3, 8, 0.0)):
         r = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
-                                 extra_body={"speedup": sp, "lossless": True, "draft_tokens": k, "trace": True})
+                                 extra_body={"speedup": sp, "lossless": True, "draft_tokens": k, "trace": True,
+                                             "draft_confidence": conf})
         assert r.choices[0].text == want.text
         assert r.choices[0].model_extra["token_ids"] == want.token_ids
         u = r.usage.model_extra
@@ -125,7 +126,8 @@ def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage
         text = ""
         chunks = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
                                       stream_options={"include_usage": True},
-                                      extra_body={"speedup": sp, "lossless": True, "draft_tokens": k})
+                                      extra_body={"speedup": sp, "lossless": True, "draft_tokens": k,
+                                                  "draft_confidence": conf})
         for ch in chunks:
             if ch.choices:
                 text += ch.choices[0].text
@@ -143,6 +145,9 @@ def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage
         assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text[:want.text.index(cut)]
     with pytest.raises(openai.BadRequestError, match="draft_tokens"):
         c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body={"draft_tokens": 3})
+    for body in ({"draft_confidence": 0.5}, {"lossless": True, "draft_confidence": 1.0}):
+        with pytest.raises(openai.BadRequestError, match="draft_confidence"):
+            c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body=body)
 
 
 def test_64_concurrent_streaming_clients_with_mixed_speedups_each_get_their_solo_output(server, llm):

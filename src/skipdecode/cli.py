@@ -37,7 +37,8 @@ DEMO_PROMPTS = [
 REQUEST_FIELDS = {"prompt": str, "speedup": (int, float), "schedule": dict, "max_new_tokens": int,
                   "arrive_at_step": int, "mode": str, "temperature": (int, float), "top_k": int,
                   "top_p": (int, float), "seed": int, "stop": (str, list), "expected_new_tokens": int,
-                  "lossless": bool, "draft_tokens": int, "adaptive": (bool, int, float)}
+                  "lossless": bool, "draft_tokens": int, "draft_confidence": (int, float),
+                  "adaptive": (bool, int, float)}
 
 
 def read_requests(path: str, default_new_tokens: int) -> list[dict]:
@@ -76,6 +77,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EngineError("give prompts or --requests FILE.jsonl, not both (nor neither)")
     if a.draft_tokens is not None and not a.lossless:
         raise EngineError("--draft-tokens applies to --lossless generation only: add --lossless or drop it")
+    if a.draft_confidence is not None and not a.lossless:
+        raise EngineError("--draft-confidence applies to --lossless generation only: add --lossless or drop it")
     if a.requests:
         reqs = read_requests(a.requests, a.max_new_tokens)
         llm = LLM.load(a.model, dtype=a.dtype)
@@ -103,7 +106,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         expected_new_tokens=a.expected_new_tokens, mode=a.mode, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop or (), chat=a.chat,
         system=a.system, on_text=on_text if stream else None, lossless=a.lossless, draft_tokens=a.draft_tokens,
-        adaptive=a.adaptive,
+        draft_confidence=a.draft_confidence, adaptive=a.adaptive,
     )
     for o in outs:
         if a.json:
@@ -436,7 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lossless", action="store_true",
                    help="the schedule only drafts; full depth verifies every token, so the output is full depth's")
     g.add_argument("--draft-tokens", type=POSITIVE, default=None,
-                   help="with --lossless: tokens drafted per verification (default 4)")
+                   help="with --lossless: at most this many tokens drafted per verification (default 6)")
+    g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
+                   help="with --lossless: stop a round's drafting after a draft its skipped pass gave a "
+                        "probability below P, in [0, 1) (default 0.6; 0: always draft --draft-tokens)")
     g.add_argument("--adaptive", nargs="?", const=True, default=None, type=adaptive_arg, metavar="THRESHOLD",
                    help="adaptive budgets: step down the schedule only after tokens chosen with top-1 probability "
                         ">= THRESHOLD; alone, the threshold the model calibrated for --speedup")

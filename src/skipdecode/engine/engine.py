@@ -101,7 +101,7 @@ class Engine:
                      stop: str | Sequence[str] | None = (),
                      ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
                      draft_tokens: int | None = None, logprobs: int | None = None,
-                     adaptive_threshold: float | None = None) -> Request:
+                     adaptive_threshold: float | None = None, draft_confidence: float | None = None) -> Request:
         """A validated request (raises ``EngineError`` saying what is wrong)."""
         L = self.num_layers
         schedule = schedule or SkipSchedule.full_depth(L)
@@ -143,6 +143,13 @@ class Engine:
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) \
                 or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise EngineError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
+        if draft_confidence is None:
+            draft_confidence = Request.draft_confidence
+        elif not lossless:
+            raise EngineError("draft_confidence applies to lossless requests only: add lossless=True or drop it")
+        if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
+                or not 0.0 <= draft_confidence < 1.0:
+            raise EngineError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise EngineError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
@@ -158,7 +165,7 @@ class Engine:
                 raise EngineError(str(e)) from None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, tuple(ids), schedule, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos,
-                       lossless, draft_tokens, logprobs, adaptive_threshold)
+                       lossless, draft_tokens, logprobs, adaptive_threshold, float(draft_confidence))
 
     def add(self, request: Request) -> RequestState:
         if request.request_id in self.requests:
@@ -281,25 +288,35 @@ class Engine:
         st.verifying = False
 
     def _draft(self, drafted: list[tuple[RequestState, torch.Tensor]]) -> None:
-        """Take each lossless row's next draft from its skipped pass's logits."""
+        """Take each lossless row's next draft from its skipped pass's logits,
+        with the probability the skipped pass gave it (its confidence)."""
         if not drafted:
             return
         greedy = [(st, row) for st, row in drafted if st.request.sampling.greedy]
-        picks = self.model.argmax(torch.stack([r for _, r in greedy])).tolist() if greedy else []
-        for (st, _), tok in zip(greedy, picks):
-            self._add_draft(st, tok, None)
+        if greedy:
+            rows = torch.stack([r for _, r in greedy])
+            picks = self.model.argmax(rows)
+            conf = rows.float().softmax(-1).gather(1, picks[:, None])[:, 0].tolist() \
+                if any(st.request.draft_confidence > 0 for st, _ in greedy) else [1.0] * len(greedy)
+            for (st, _), tok, c in zip(greedy, picks.tolist(), conf):
+                self._add_draft(st, tok, None, c)
         for st, row in drafted:
             s = st.request.sampling
             if not s.greedy:
                 q = filter_logits(row[None], s.temperature, s.top_k, s.top_p).softmax(-1)[0]
-                self._add_draft(st, int(torch.multinomial(q, 1, generator=st.generator)), q)
+                tok = int(torch.multinomial(q, 1, generator=st.generator))
+                self._add_draft(st, tok, q, float(q[tok]))
 
-    def _add_draft(self, st: RequestState, tok: int, q: torch.Tensor | None) -> None:
+    def _add_draft(self, st: RequestState, tok: int, q: torch.Tensor | None, confidence: float) -> None:
+        """Append a draft; the round goes to verification at its size, after an
+        end-of-sequence draft, or after a draft below the request's
+        ``draft_confidence`` (a choice made from the draft pass alone, so
+        verification stays exact: greedy or sampled, every kept token is full depth's)."""
         st.drafts.append(tok)
         if q is not None:
             st.draft_probs.append(q)
         eos = tok in self.eos and not st.request.ignore_eos  # nothing to draft past an end
-        st.verifying = eos or len(st.drafts) >= st.round_size
+        st.verifying = eos or len(st.drafts) >= st.round_size or confidence < st.request.draft_confidence
 
     def _verify(self, st: RequestState, full: torch.Tensor, now: float) -> RequestOutput:
         """Accept drafts against full depth's logits ``(drafts + 1, vocab)``, append

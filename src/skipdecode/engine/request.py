@@ -23,6 +23,9 @@ GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy
 DEFAULT_DRAFT_TOKENS = 4  # drafts per lossless round (benchmarks/results/lossless.md measures 2..8)
 DEFAULT_LOSSLESS_SPEEDUP = 5.0  # the draft schedule when a lossless request names none (same measurement)
 MAX_DRAFT_TOKENS = 16
+# a lossless round stops drafting after a draft its skipped pass gave less than this
+# probability: it would likely be rejected, and every further draft with it
+DEFAULT_DRAFT_CONFIDENCE = 0.0
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
 
 
@@ -76,6 +79,8 @@ class Request:
     logprobs: int | None = None
     # adaptive budgets: the schedule's clock ticks only on tokens chosen with top-1 probability >= this
     adaptive_threshold: float | None = None
+    # lossless: end a round's drafting after a draft of lower probability than this (0 = never early)
+    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
 
     @property
     def kv_schedule(self) -> SkipSchedule:

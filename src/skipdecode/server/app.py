@@ -448,7 +448,8 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                               mode=body.mode, temperature=body.temperature, top_k=body.top_k,
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
                               request_id=f"{uuid.uuid4().hex}", lossless=body.lossless,
-                              draft_tokens=body.draft_tokens, logprobs=body.top_logprobs_count,
+                              draft_tokens=body.draft_tokens, draft_confidence=body.draft_confidence,
+                              logprobs=body.top_logprobs_count,
                               adaptive=body.adaptive)
             eng.scheduler.check_capacity(req)  # the rest is checked by the engine thread
         except (EngineError, GenerationError) as e:

@@ -4,7 +4,7 @@ Standard fields follow OpenAI's API (defaults included: ``temperature`` 1,
 ``max_tokens`` 16 for completions). Skip controls ride as extra body fields,
 the way vLLM takes ``top_k``: ``speedup`` or ``schedule`` (the fields of
 ``SkipSchedule``), ``mode``, ``trace`` (token ids and the layers each
-token ran, per choice), ``lossless`` with ``draft_tokens`` (the schedule
+token ran, per choice), ``lossless`` with ``draft_tokens`` and ``draft_confidence`` (the schedule
 drafts, full depth verifies; streams carry verified tokens only), and
 ``adaptive`` (``true``: the model's calibrated threshold for ``speedup``; a
 number in [0, 1]: step down the schedule only after tokens that sure).
@@ -78,6 +78,7 @@ class _Sampling(BaseModel):
     trace: bool = False
     lossless: bool = False  # the schedule drafts, full depth verifies: full depth's output
     draft_tokens: int | None = Field(None, ge=1, le=16)
+    draft_confidence: float | None = Field(None, ge=0.0, lt=1.0)  # stop drafting after a less sure draft
     adaptive: StrictBool | float | None = None  # step down only after confident tokens (policies.adaptive)
 
     @field_validator("temperature", "top_p", "speedup", "presence_penalty", "frequency_penalty")
@@ -109,6 +110,8 @@ class _Sampling(BaseModel):
             raise ValueError("speedup/schedule: give either a target speedup or a schedule, not both")
         if self.draft_tokens is not None and not self.lossless:
             raise ValueError("draft_tokens: applies to lossless requests only (add \"lossless\": true)")
+        if self.draft_confidence is not None and not self.lossless:
+            raise ValueError("draft_confidence: applies to lossless requests only (add \"lossless\": true)")
         a = self.adaptive
         if a is not None and not isinstance(a, bool) and not (math.isfinite(a) and 0 <= a <= 1):
             raise ValueError("adaptive: true, false or a top-1 probability threshold in [0, 1]")
