@@ -439,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lossless", action="store_true",
                    help="the schedule only drafts; full depth verifies every token, so the output is full depth's")
     g.add_argument("--draft-tokens", type=POSITIVE, default=None,
-                   help="with --lossless: at most this many tokens drafted per verification (default 6)")
+                   help="with --lossless: at most this many tokens drafted per verification (default 4)")
     g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                    help="with --lossless: stop a round's drafting after a draft its skipped pass gave a "
                         "probability below P, in [0, 1) (default 0.6; 0: always draft --draft-tokens)")
@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="force the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"],
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"],
                    help="weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--trace", action="store_true", help="with --json: token ids and active layers per token")
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speedups", type=parse_speedups, default=None)
     b.add_argument("--new-tokens", type=POSITIVE, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    b.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "int8", "int4"], default=None,
+    b.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"], default=None,
                    help="weight dtypes to run (repeatable; default float32, bfloat16 and int8; fp32 always runs)")
     b.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer (offline LLM.generate)")
     b.add_argument("--engine", action="store_true",
@@ -541,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--stats-interval", type=float_arg(0), default=10.0,
                    help="seconds between activity lines in the log (0: none)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"],
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"],
                    help="weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only")
     v.add_argument("--grace", type=float_arg(0), default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM")
