@@ -250,12 +250,13 @@ def test_reduced_precision_models_follow_their_fp32_model(tiny_dirs, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w8a8", "w4a8"])
 def test_every_dtype_generates_on_an_avx2_only_cpu_with_the_autotuner_on(tiny_cli_dir, tmp_path, dtype):
     """An AVX2-only CPU (an AMD EPYC without AVX-512) simulated on any machine: oneDNN capped at
     AVX2 (``ONEDNN_MAX_CPU_ISA``: its bf16 reorder raises there, so neither packing nor the
     autotuner may call it) and the kernels' AVX2 form (``SKIPDECODE_ISA=avx2``). Every reduced
-    dtype packs, autotunes and generates; bf16 and int4 run on the compiled panels only."""
+    dtype packs, autotunes and generates; bf16, int4 and the int8-activation dtypes (their
+    portable form here, no VNNI) run on the compiled panels only."""
     import os
     import subprocess
     import sys
@@ -332,3 +333,46 @@ def test_an_int4_model_generates_as_the_fp32_model_of_its_dequantized_weights(ti
     # kernels: both fp32 products (summation order only); torch fallback: activations rounded to bf16
     tol = 1e-4 if use_kernels else 5e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * 10)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["w8a8", "w4a8"])
+def test_int8_activation_models_follow_fp32_and_a_row_never_depends_on_its_batch_mates(tiny_dirs, dtype):
+    """w8a8 / w4a8: every block linear and the LM head quantize their activations (the head keeps
+    int8 weights under w4a8); logits close to those of the same weights with fp32 activations
+    (int8 / int4); and since each row's sums are exact
+    integers, greedy tokens of requests decoded together, at 1x and skipping, and lossless
+    requests, equal each request decoded alone at 1x or at its own schedule, token for token."""
+    from skipdecode import LLM
+    from skipdecode.engine import Engine, EngineConfig
+    from skipdecode.schedule import SkipSchedule
+
+    base = {"w8a8": "int8", "w4a8": "int4"}[dtype]
+    ref = LLM.load(tiny_dirs["llama"], dtype=base)  # the same weights, fp32 activations
+    low = LLM.load(tiny_dirs["llama"], dtype=dtype)
+    net = low.model
+    assert all(getattr(b, n).a8 and getattr(b, n).weights == base and b.fused_decode
+               for b in net.layers for n in ("wqkv", "wo", "w13", "w2"))
+    assert net.lm_head.a8 and net.lm_head.weights == "int8"
+    tokens = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+    pos = torch.arange(8)[None]
+    with torch.no_grad():
+        a, b = ref.model(tokens, pos), net(tokens, pos)
+    assert ((a - b).norm() / a.norm()).item() < 0.05
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.75
+
+    L = net.n_layers
+    prompts = [[5, 17, 99, 3], [42, 7, 200, 11, 9, 8, 60], [77, 12]]
+    kinds = [dict(), dict(schedule=SkipSchedule.for_speedup(1.5, 12, L)),
+             dict(schedule=SkipSchedule.for_speedup(2, 12, L), lossless=True, draft_tokens=3)]
+
+    def run(pairs):
+        eng = Engine(net, EngineConfig(kv_slots=512))
+        for p, kw in pairs:
+            eng.add_request(p, max_new_tokens=12, ignore_eos=True, **kw)
+        return [o.token_ids for o in sorted(eng.run(), key=lambda o: int(o.request_id.split("-")[1]))]
+
+    together = run(list(zip(prompts, kinds)))
+    alone = [run([(p, kw)])[0] for p, kw in zip(prompts, kinds)]
+    assert together == alone
+    assert together[2] == run([(prompts[2], {})])[0]  # lossless: 1x's tokens

@@ -290,6 +290,127 @@ def test_int4_quantization_is_llamacpp_q4_0s_rule():
         quantize_int4(torch.randn(4, 40))
 
 
+HAS_VNNI = HAS_AVX512 and "avx512_vnni" in __import__("skipdecode.dispatch").dispatch.cpu_features()["isa"]
+
+
+@pytest.fixture(params=["portable", "vnni"])
+def a8_form(request, k):
+    """Run the test on each form of the int8-activation kernels: the portable one runs on every
+    CPU the kernels build on, the AVX512-VNNI one where present."""
+    if request.param == "vnni" and not HAS_VNNI:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    prev = k.set_vnni(request.param == "vnni")
+    yield request.param
+    k.set_vnni(prev)
+
+
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, int4: bool):
+    """The w8a8 / w4a8 product computed the slow, obviously right way: each row quantized to int8
+    in blocks of 32 (scale max|x| / 127, round half to even), exact per-block integer sums (float64
+    holds them exactly), then the scales. Returns it and the sum of its terms' magnitudes."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # `127.0 / t` is 127 * (1 / t) in torch
+    xq = torch.round(xb * inv).clamp(-127, 127)
+    xs = (amax / 127.0).squeeze(-1).double()  # [M, K/32]
+    wq = (q.double() - 8) if int4 else q.double()
+    sums = torch.einsum("mbk,nbk->mnb", xq.double(), wq.reshape(q.shape[0], K // 32, 32))
+    terms = sums * xs[:, None, :] * (scales.double()[None] if int4 else scales.double()[None, :, None])
+    # fp32 accumulates one term per block: each step may round by half an ulp of the running sum
+    return terms.sum(-1) + bias.double(), terms.abs().sum(-1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,kdim", [(16, 32), (40, 288), (3, 544), (24, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
+@pytest.mark.parametrize("int4", [False, True])
+def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows(k, rows, n, kdim, int4, a8_form):
+    from skipdecode.model import quantize_int4, quantize_int8
+
+    g = _gen(rows * 1000 + n + int4)
+    w = torch.randn(n, kdim, generator=g) * 0.05
+    x = torch.randn(rows, kdim, generator=g)
+    x[:, 5] *= 30  # an outlier channel: it coarsens its own block of 32 only
+    x[0, kdim - 32:] = 0  # an all-zero block (the whole row where K is 32)
+    b = torch.randn(n, generator=g)
+    if int4:
+        q, s = quantize_int4(w)
+        packed, ps = kernels.pack_int4(q, s)
+    else:
+        q, s = quantize_int8(w)
+        packed, ps = kernels.pack_weight(q), kernels.pack_scales(s)
+    got = k.linear(x, packed, b, n, ps, a8=True)
+    want, mag = _a8_reference(x, q, s, b, int4)
+    assert ((got.double() - want).abs() <= 2e-7 * kdim / 32 * mag + 1e-6).all()
+    # and it is the weight-only product up to the activations' rounding (about 0.5% here)
+    weight_only = k.linear(x, packed, b, n, ps)
+    diff = ((got - weight_only).norm() / weight_only.norm()).item()
+    assert diff < 0.02 and (diff > 0 or kdim == 32 and rows == 1)
+
+
+@needs_kernels
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("int4", [False, True])
+def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4):
+    """A CPU without VNNI computes exactly what one with it does."""
+    from skipdecode.model import quantize_int4, quantize_int8
+
+    g = _gen(11)
+    w, x = torch.randn(72, 576, generator=g), torch.randn(9, 576, generator=g)
+    packed, ps = kernels.pack_int4(*quantize_int4(w)) if int4 else \
+        (lambda q, s: (kernels.pack_weight(q), kernels.pack_scales(s)))(*quantize_int8(w))
+    prev = k.set_vnni(True)
+    try:
+        fast = k.linear(x, packed, None, 72, ps, a8=True)
+        k.set_vnni(False)
+        assert torch.equal(fast, k.linear(x, packed, None, 72, ps, a8=True))
+    finally:
+        k.set_vnni(prev)
+
+
+@needs_kernels
+@pytest.mark.parametrize("int4", [False, True])
+def test_int8_activation_rows_do_not_depend_on_their_batch_mates(k, int4, a8_form):
+    """Each row's integer sums are exact and its fp32 steps do not depend on the row count, so a
+    row computed in a call of 13 equals it computed alone, bit for bit (lossless verification
+    and batching give 1x's numbers without forcing one-row forms)."""
+    from skipdecode.model import quantize_int4, quantize_int8
+
+    g = _gen(12)
+    w, x = torch.randn(40, 320, generator=g), torch.randn(13, 320, generator=g)
+    packed, ps = kernels.pack_int4(*quantize_int4(w)) if int4 else \
+        (lambda q, s: (kernels.pack_weight(q), kernels.pack_scales(s)))(*quantize_int8(w))
+    together = k.linear(x, packed, None, 40, ps, a8=True)
+    for i in (0, 5, 12):
+        assert torch.equal(together[i], k.linear(x[i:i + 1], packed, None, 40, ps, a8=True)[0])
+
+
+@needs_kernels
+def test_int8_activations_refuse_float_panels_and_ragged_k(k):
+    with pytest.raises(RuntimeError, match="int8 activations need int8 or int4 panels"):
+        k.linear(torch.randn(2, 64), kernels.pack_weight(torch.randn(16, 64)), None, 16, a8=True)
+    from skipdecode.model import quantize_int8
+
+    q, s = quantize_int8(torch.randn(16, 40))
+    with pytest.raises(RuntimeError, match="K divisible by 32"):
+        k.linear(torch.randn(2, 40), kernels.pack_weight(q), None, 16, kernels.pack_scales(s), a8=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_w8a8(tiny_dirs):
+    from skipdecode.checkpoint import load_model
+
+    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="w8a8")
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a8(tiny_dirs):
+    from skipdecode.checkpoint import load_model
+
+    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="w4a8")
+
+
 @pytest.fixture(scope="module")
 def tiny_int8(tiny_dirs):
     """The llama tiny model with int8 weights on the kernels' int8 panels."""
@@ -307,13 +428,18 @@ def tiny_int4(tiny_dirs):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8", "llama-int4"])
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8", "llama-int4",
+                                  "llama-w8a8", "llama-w4a8"])
 @pytest.mark.parametrize("skip_first", [False, True])
-def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, tiny_int4, arch, skip_first, isa):
+def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, tiny_int4, tiny_w8a8, tiny_w4a8, arch,
+                                                      skip_first, isa):
     """Rows of different lengths, each in its own pool slots: full-depth
     prefill, then one decode step, fused (one kernel call per layer) and
     unfused: same logits, same pool (int8 weights too: scaled panels)."""
-    net = {"llama-int8": tiny_int8, "llama-int4": tiny_int4}.get(arch) or tiny_packed[arch]
+    net = {"llama-int8": tiny_int8, "llama-int4": tiny_int4, "llama-w8a8": tiny_w8a8,
+           "llama-w4a8": tiny_w4a8}.get(arch) or tiny_packed[arch]
+    if arch in ("llama-w8a8", "llama-w4a8"):
+        assert all(b.wqkv.a8 and b.w2.a8 and b.fused_decode for b in net.layers) and net.lm_head.a8
     if arch == "llama-int8":
         assert net.layers[0].w13.packed.dtype == torch.int8 and net.layers[0].fused_decode
     if arch == "llama-int4":

@@ -34,7 +34,8 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first bucket >= M (else the last)
 LIBRARY = {"float32": "onednn", "bfloat16": "onednn", "int8": "int8mm",  # the form that is not ours, per dtype
-           "int4": "dense"}  # int4 has no library form: without the kernels, dequantized bf16 on torch
+           "int4": "dense",  # int4 has no library form: without the kernels, dequantized bf16 on torch
+           "w8a8": "dense", "w4a8": "dense"}  # int8 activations: the panels only (model.PackedLinear)
 COLD_BYTES = 96e6  # more than any last-level cache of a 2-32 core CPU slice: weights come from memory
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
@@ -237,7 +238,7 @@ def plan_for(out_features: int, in_features: int, kernel_module, weights: str = 
     """The form to run at each bucket for a weight of this shape and dtype, on this machine."""
     if kernel_module is None:
         return tuple(LIBRARY[weights] for _ in BUCKETS)
-    if weights == "int8" and not int8mm_takes(in_features) or weights == "int4":
+    if weights == "int8" and not int8mm_takes(in_features) or weights in ("int4", "w8a8", "w4a8"):
         return tuple("hand" for _ in BUCKETS)  # the panels are the only form
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return default_plan(True, weights)
@@ -250,7 +251,7 @@ def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = 
     does the same GEMMs plus the norms, RoPE and attention without leaving the kernel)."""
     if kernel_module is None:
         return tuple(False for _ in BUCKETS)
-    if weights == "int4" or weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
+    if weights in ("int4", "w8a8", "w4a8") or weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
         return tuple(True for _ in BUCKETS)  # the panels are the only int4 form, or the only int8 form of some
     if weights == "bfloat16" and not cpu_features()["onednn_bf16"]:
         return tuple(True for _ in BUCKETS)  # no oneDNN bf16 on this CPU (AVX2 only): the panels are the bf16 form

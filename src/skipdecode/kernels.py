@@ -78,6 +78,7 @@ def load():
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            verbose=False)
         module.set_isa(isa() == "avx512")
+        module.set_vnni(has_vnni())
         return module
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
         warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
@@ -102,6 +103,14 @@ def isa() -> str:
     if forced == "avx512" and not has:
         raise ValueError("SKIPDECODE_ISA=avx512 but this CPU lacks AVX-512 F/BW/VL/DQ")
     return "avx2" if forced == "avx2" or not has else "avx512"
+
+
+def has_vnni() -> bool:
+    """Whether the int8-activation kernels (``w8a8``, ``w4a8``) run on AVX512-VNNI here; elsewhere
+    (and with ``SKIPDECODE_ISA=avx2``) they compute the same integer sums in portable C++."""
+    from .dispatch import cpu_features
+
+    return isa() == "avx512" and "avx512_vnni" in cpu_features()["isa"]
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ from . import dispatch, kernels
 from .config import ModelConfig
 
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8")
+A8_DTYPES = {"w8a8": "int8", "w4a8": "int4"}  # int8 activations -> the weight dtype they run on
 
 
 DRAFT_VOCAB = 8192  # token ids a lossless draft scores (benchmarks/results/lossless.md measures the effect)
@@ -63,7 +64,13 @@ class PackedLinear(nn.Module):
       compiled kernels' int4 panels only (a quarter of int8's bytes, plus the
       scales); without the kernels, the dequantized weight on torch's bf16 GEMM.
       A linear whose ``in_features`` is not a multiple of 32 keeps int8, and
-      so does the LM head (``Transformer.pack_for_inference``).
+      so does the LM head (``Transformer.pack_for_inference``);
+    - ``w8a8``, ``w4a8``: the int8 or int4 panels with each row's activations
+      quantized to int8 in blocks of 32 (llama.cpp's Q8_0 activations), on the
+      CPU's integer dot-product units (AVX512-VNNI; elsewhere the same integer
+      sums in portable C++, the same outputs). Exact int32 sums make a row's
+      result independent of the other rows of the call (batch-invariant). A
+      linear whose ``in_features`` is not a multiple of 32 keeps weight-only int8.
 
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
@@ -79,8 +86,11 @@ class PackedLinear(nn.Module):
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if weights == "int4" and self.in_features % kernels.INT4_GROUP:
+        if weights in ("int4", "w4a8", "w8a8") and self.in_features % kernels.INT4_GROUP:
             weights = "int8"  # no whole groups of 32 along this weight's inputs
+        # int8 activations run on the compiled panels only; without them, weight-only as int8/int4 does
+        self.a8 = weights in A8_DTYPES and kernel_module is not None
+        weights = A8_DTYPES.get(weights, weights)
         self.weights = weights
         self.kernels = kernel_module
         self.packed = self.onednn = self.dense = self.qweight = self.scales = self.panel_scales = None
@@ -110,7 +120,8 @@ class PackedLinear(nn.Module):
                 self.dense = dequantize_int4(q, sc).bfloat16()
         else:
             q, sc = quantize_int8(w)
-            self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int8")
+            self.plan = tuple("hand" for _ in dispatch.BUCKETS) if self.a8 else \
+                dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int8")
             if self.kernels is not None and ("hand" in self.plan or keep_panels):
                 self.packed, self.panel_scales = kernels.pack_weight(q), kernels.pack_scales(sc)
             if dispatch.int8mm_takes(self.in_features) and "int8mm" in self.plan:
@@ -127,7 +138,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_hand(x.numel() // self.in_features):  # fp32, bf16 or int8 panels, fp32 in and out
-            return self.kernels.linear(x, self.packed, self.bias, self.out_features, self.panel_scales)
+            return self.kernels.linear(x, self.packed, self.bias, self.out_features, self.panel_scales, a8=self.a8)
         if self.weights == "float32":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         xb = x.to(torch.bfloat16)
@@ -280,7 +291,9 @@ class Block(nn.Module):
         return (self.kernels is not None and cfg.pre_norm and cfg.norm == "rms" and cfg.mlp == "swiglu"
                 and cfg.pos == "rope" and cfg.head_dim % 8 == 0
                 and (not packed or all(isinstance(getattr(self, n), PackedLinear) and getattr(self, n).packed
-                                       is not None for n in ("wqkv", "wo", "w13", "w2"))))
+                                       is not None for n in ("wqkv", "wo", "w13", "w2"))
+                     # one call runs its four linears with or without int8 activations, not a mix
+                     and len({getattr(self, n).a8 for n in ("wqkv", "wo", "w13", "w2")}) == 1))
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -398,7 +411,7 @@ class Block(nn.Module):
                 x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
                 self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kpool, vpool, slots, rope[0],
                 rope[1], self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv, self.wqkv.panel_scales,
-                self.wo.panel_scales, self.w13.panel_scales, self.w2.panel_scales)
+                self.wo.panel_scales, self.w13.panel_scales, self.w2.panel_scales, self.wqkv.a8)
         return self._residual(x, lambda h: self.attention_pool(h, rope, kpool, vpool, slots))
 
 
@@ -459,7 +472,7 @@ class Transformer(nn.Module):
                 setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))
         # int4 keeps the LM head in int8, as llama.cpp's Q4_0 keeps its output matrix at 6 bits: 4-bit
         # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
-        head = "int8" if weights == "int4" else weights
+        head = {"int4": "int8", "w4a8": "w8a8"}.get(weights, weights)
         self.lm_head = PackedLinear(self.lm_head, k, head)
         if self.draft_head is not None:
             self.draft_head = PackedLinear(self.draft_head, k, head)

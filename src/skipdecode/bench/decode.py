@@ -124,7 +124,7 @@ class _HF:
 
 
 ENGINE_NAMES = {"float32": "skipdecode", "bfloat16": "skipdecode-bf16", "int8": "skipdecode-int8",
-                "int4": "skipdecode-int4"}
+                "int4": "skipdecode-int4", "w8a8": "skipdecode-w8a8", "w4a8": "skipdecode-w4a8"}
 
 
 def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,

@@ -35,6 +35,9 @@ from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, writ
 
 # llama.cpp weight type -> the skipdecode weight dtype of the same size class
 LLAMACPP_TYPES = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
+# skipdecode dtype -> the llama.cpp type it is compared with (Q8_0 and Q4_0 also quantize activations
+# to 8 bits in blocks of 32 for their dot products, as w8a8 and w4a8 do)
+PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0", "w4a8": "q4_0"}
 LLAMACPP_VENV = ".venv-llamacpp"
 
 
@@ -153,8 +156,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     speedups = speedups or [1.0, 2.0, 3.0]
     if 1.0 not in speedups:
         speedups = [1.0] + list(speedups)
-    dtypes = dtypes or ["float32", "int8", "int4"]
-    types = [t for t, d in LLAMACPP_TYPES.items() if d in dtypes]
+    dtypes = dtypes or ["float32", "int8", "int4", "w8a8", "w4a8"]
+    types = [t for t in LLAMACPP_TYPES if t in {PEER_TYPE.get(d) for d in dtypes}]
     N = new_tokens or (16 if quick else 64)
     R = repeats or (1 if quick else 5)
     threads = torch.get_num_threads()
@@ -216,7 +219,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             r["read_gbs"] = round(nbytes / (ms / 1000) / 1e9, 2)
             r["fraction_of_bandwidth"] = round(r["read_gbs"] / bw, 3)
         results.append(r)
-    peer_of = {ENGINE_NAMES.get(d, f"skipdecode-{d}"): f"llama.cpp-{t}" for t, d in LLAMACPP_TYPES.items()}
+    peer_of = {ENGINE_NAMES.get(d, f"skipdecode-{d}"): f"llama.cpp-{t}" for d, t in PEER_TYPE.items()}
     for r in results:
         peer = next((x for x in results if x["engine"] == peer_of.get(r["engine"]) and x["batch_size"] == r["batch_size"]),
                     None)

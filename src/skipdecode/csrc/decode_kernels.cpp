@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -450,12 +451,242 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
   });
 }
 
+// ---- int8 activations (w8a8, w4a8): llama.cpp's Q8_0 activations on the integer dot-product units.
+// With fp32 activations, int8 and int4 decode is bound by widening each weight to fp32 and one FMA
+// per 16 multiply-adds (int4 batch 1 reads 24% of the bandwidth). Quantizing each row's
+// activations to int8 in blocks of QB = 32 along k (scale = max|x| / 127, round to nearest even)
+// turns 4 k of 16 columns into one AVX512-VNNI vpdpbusd (64 multiply-adds, exact int32 sums).
+// The packed weights stay as they are: 4 panel rows (64 bytes) become the VNNI layout with one
+// dword permute and one in-lane byte shuffle, shared by every row of the call. vpdpbusd takes
+// unsigned x signed bytes, so the weight side is offset to unsigned (int8: q + 128, int4: v + 8)
+// and the offset times the block's sum of quantized activations is subtracted from each sum.
+// CPUs without VNNI run the same integer sums in plain C++ (a8_portable): the same outputs.
+constexpr int64_t QB = 32;
+
+// Quantized activations of M rows: q [M, K] int8, per block of QB: scale s and sum of q.
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> s;
+  std::vector<int32_t> sum;
+  int64_t K = 0, nb = 0;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx) {
+  qx.K = K;
+  qx.nb = K / QB;
+  qx.q.resize(M * K);
+  qx.s.resize(M * qx.nb);
+  qx.sum.resize(M * qx.nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < qx.nb; ++b) {
+      const float* xb = x + r * K + b * QB;
+      float amax = 0.f;
+      for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < QB; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(std::min(127.f, std::max(-127.f, xb[i] * inv))));
+        qx.q[r * K + b * QB + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      qx.s[r * qx.nb + b] = d;
+      qx.sum[r * qx.nb + b] = sum;
+    }
+}
+
+#define SD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+bool g_vnni = false;
+
+// 4 panel rows of int8 (k0..k3, 16 columns each) -> per column the 4 k as one dword, offset to unsigned.
+SD_VNNI static inline __m512i vnni_i8(const int8_t* w) {
+  const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  const __m512i sh = _mm512_set4_epi32(0x0f0b0703, 0x0e0a0602, 0x0d090501, 0x0c080400);
+  const __m512i v = _mm512_permutexvar_epi32(tr, _mm512_loadu_si512(w));
+  return _mm512_xor_si512(_mm512_shuffle_epi8(v, sh), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// 2 int4 pair rows (k0|k1, k2|k3; 32 bytes) -> per column the 4 k as one dword of v + 8 (0..15).
+SD_VNNI static inline __m512i vnni_i4(const uint8_t* w) {
+  // row j of the 4 comes from: j=0 low nibbles of pair 0 (dwords 0-3 of lo), j=1 its high nibbles
+  // (16 + 0-3: hi), j=2 low of pair 1 (4-7), j=3 high of pair 1 (16 + 4-7); dword L*4 + j <- row j's dword L
+  const __m512i tr = _mm512_set_epi32(23, 7, 19, 3, 22, 6, 18, 2, 21, 5, 17, 1, 20, 4, 16, 0);
+  const __m512i sh = _mm512_set4_epi32(0x0f0b0703, 0x0e0a0602, 0x0d090501, 0x0c080400);
+  const __m512i t = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  const __m512i m = _mm512_set1_epi8(0x0f);
+  const __m512i lo = _mm512_and_si512(t, m), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m);
+  const __m512i v = _mm512_permutex2var_epi32(lo, tr, hi);
+  return _mm512_xor_si512(_mm512_shuffle_epi8(v, sh), _mm512_set1_epi8(0x08));
+}
+
+// rows x 16 outputs of one panel over one K block (kc a multiple of QB) with int8 activations.
+// Q4: int4 pair panels with bf16 group scales gs ([kc / 32, 16], stored / 16), else int8 panels
+// whose per-column scale applies at the end (finish512). Per block of 32 k and row, the exact
+// int32 sum becomes fp32 once: f += float(sum - offset * xsum) * xs (* 16 * group scale).
+// U sets of int32 sums take alternate k so that enough vpdpbusd chains are in flight.
+template <int R, bool Q4>
+SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K,
+                                           int64_t nb, const void* wv, const uint16_t* gs, int64_t kc, float* acc,
+                                           bool first, bool last, float* y, int64_t ldy, int64_t ncols,
+                                           const float* scale, const float* bias, const float* res) {
+  constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
+  for (int64_t b = 0; b < kc; b += QB) {
+    __m512i s[U][R];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r) s[u][r] = _mm512_setzero_si512();
+    for (int64_t k = b; k < b + QB; k += 4) {
+      const int u = (k / 4) % U;
+      __m512i w;
+      if constexpr (Q4) {
+        const uint8_t* p = static_cast<const uint8_t*>(wv) + k * (NR / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+        w = vnni_i4(p);
+      } else {
+        const int8_t* p = static_cast<const int8_t*>(wv) + k * NR;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+        w = vnni_i8(p);
+      }
+      for (int r = 0; r < R; ++r)
+        s[u][r] = _mm512_dpbusd_epi32(s[u][r], w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + k)));
+    }
+    const int64_t blk = b / QB;
+    __m512 g = _mm512_set1_ps(1.f);
+    if constexpr (Q4) g = _mm512_mul_ps(load_w16(gs + blk * NR), _mm512_set1_ps(16.f));
+    for (int r = 0; r < R; ++r) {
+      for (int u = 1; u < U; ++u) s[0][r] = _mm512_add_epi32(s[0][r], s[u][r]);
+      const __m512i off = _mm512_set1_epi32((Q4 ? 8 : 128) * xsum[r * nb + blk]);
+      const __m512 sumf = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[0][r], off));
+      f[r] = _mm512_fmadd_ps(sumf, Q4 ? _mm512_mul_ps(g, _mm512_set1_ps(xs[r * nb + blk])) : _mm512_set1_ps(xs[r * nb + blk]), f[r]);
+    }
+  }
+  finish512<R>(f, acc, last, y, ldy, ncols, scale, bias, res);
+}
+
+template <bool Q4>
+SD_VNNI void row_block_a8(int64_t r, const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, int64_t nb,
+                          const void* w, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last, float* y,
+                          int64_t N, int64_t ncols, const float* scale, const float* bias, const float* res) {
+  switch (r) {
+    case 12: return micro_kernel_a8<12, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 11: return micro_kernel_a8<11, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 10: return micro_kernel_a8<10, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 9: return micro_kernel_a8<9, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 8: return micro_kernel_a8<8, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 7: return micro_kernel_a8<7, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 6: return micro_kernel_a8<6, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 5: return micro_kernel_a8<5, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 4: return micro_kernel_a8<4, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 3: return micro_kernel_a8<3, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 2: return micro_kernel_a8<2, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    default: return micro_kernel_a8<1, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+  }
+}
+
+// The same arithmetic without VNNI (any x86-64 CPU): signed integer sums per block, the same
+// fp32 steps in the same order (fmaf is the fused multiply-add vfmadd computes).
+template <bool Q4>
+void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const int32_t*, int64_t K, int64_t nb,
+                           const void* wv, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last,
+                           float* y, int64_t ldy, int64_t ncols, const float* scale, const float* bias,
+                           const float* res) {
+  for (int64_t r = 0; r < R; ++r) {
+    float f[NR];
+    for (int64_t c = 0; c < NR; ++c) f[c] = first ? 0.f : acc[r * NR + c];
+    for (int64_t b = 0; b < kc; b += QB) {
+      int32_t s[NR] = {0};
+      for (int64_t k = b; k < b + QB; ++k) {
+        const int32_t xv = xq[r * K + k];
+        for (int64_t c = 0; c < NR; ++c) {
+          int32_t wq;
+          if constexpr (Q4) {
+            const uint8_t byte = static_cast<const uint8_t*>(wv)[(k / 2) * NR + c];
+            wq = static_cast<int32_t>(((k % 2) ? (byte >> 4) : (byte & 0x0f)) ^ 0x08) - 8;
+          } else {
+            wq = static_cast<const int8_t*>(wv)[k * NR + c];
+          }
+          s[c] += xv * wq;
+        }
+      }
+      const int64_t blk = b / QB;
+      const float xsc = xs[r * nb + blk];
+      for (int64_t c = 0; c < NR; ++c) {
+        float m = xsc;
+        if constexpr (Q4) {
+          uint32_t bits = static_cast<uint32_t>(gs[blk * NR + c]) << 16;
+          float g;
+          std::memcpy(&g, &bits, 4);
+          m = (g * 16.f) * xsc;
+        }
+        f[c] = std::fmaf(static_cast<float>(s[c]), m, f[c]);
+      }
+    }
+    for (int64_t c = 0; c < NR; ++c) acc[r * NR + c] = f[c];
+    if (last)
+      for (int64_t c = 0; c < ncols; ++c)
+        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
+                         (res ? res[r * ldy + c] : 0.f);
+  }
+}
+
+// y = x @ W^T (+ bias) (+ res) over int8 panels (sa: per-column scales) or int4 panels (gs: group
+// scales), the activations quantized to int8 first (QuantX).
+template <bool Q4>
+void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
+                      const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  QuantX qx;
+  quantize_rows(xa, M, K, qx);
+  const int64_t nb = qx.nb;
+  // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
+  // rearranged once for up to 12 rows
+  constexpr int64_t MR = 12;
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
+    for (int64_t p = p0; p < p1; ++p) {
+      pf.part(p, NP);
+      const int64_t ncols = std::min(NR, n - p * NR);
+      const float* bp = ba ? ba + p * NR : nullptr;
+      const float* sp = sa ? sa + p * NR : nullptr;
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const bool first = k0 == 0, last = k0 + kc == K;
+        const void* w = Q4 ? static_cast<const void*>(static_cast<const uint8_t*>(wa) + (p * K + k0) * (NR / 2))
+                           : static_cast<const void*>(static_cast<const int8_t*>(wa) + (p * K + k0) * NR);
+        const uint16_t* g = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
+        for (int64_t m = 0; m < M; m += MR) {
+          const int64_t r = std::min(MR, M - m);
+          const int8_t* xq = qx.q.data() + m * K + k0;
+          const float* xs = qx.s.data() + m * nb + k0 / QB;
+          const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
+          float* yp = ya + m * n + p * NR;
+          const float* rp = res ? res + m * n + p * NR : nullptr;
+          if (g_vnni)
+            row_block_a8<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc.data() + m * NR, first, last, yp, n, ncols, sp,
+                             bp, rp);
+          else
+            row_block_a8_portable<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc.data() + m * NR, first, last, yp, n,
+                                      ncols, sp, bp, rp);
+        }
+      }
+    }
+  });
+}
+
 // fp32, bf16 or int8 panels (the weight's dtype picks the micro-kernel; int8 panels
 // come with one fp32 scale per padded output column); activations are fp32 either way.
+// a8: int8 or int4 panels with the activations quantized to int8 (linear_panels_a8; K % 32 == 0).
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
-                 const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf = Prefetch()) {
+                 const float* ba, int64_t n, float* ya, const float* res, bool a8 = false,
+                 const Prefetch& pf = Prefetch()) {
   const int64_t K = packed.size(1) * (packed.scalar_type() == torch::kByte ? 2 : 1), NP = packed.size(0);
   if (M == 0) return;
+  if (a8 && packed.scalar_type() == torch::kByte)
+    return linear_panels_a8<true>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr,
+                                  reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res,
+                                  pf);
+  if (a8 && packed.scalar_type() == torch::kChar)
+    return linear_panels_a8<false>(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), nullptr, ba, n,
+                                   ya, res, pf);
   if (packed.scalar_type() == torch::kByte)
     linear_panels_q4(xa, M, packed.data_ptr<uint8_t>(), K, NP,
                      reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
@@ -488,18 +719,25 @@ void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::
           "int4 panels need K divisible by 32 and contiguous bfloat16 scales [panels, K / 32, 16]");
 }
 
+void check_a8(const torch::Tensor& packed, int64_t k, bool a8) {
+  if (a8)
+    check((packed.scalar_type() == torch::kChar || packed.scalar_type() == torch::kByte) && k % QB == 0,
+          "int8 activations need int8 or int4 panels and K divisible by 32");
+}
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t n, const c10::optional<torch::Tensor>& scale) {
+                     int64_t n, const c10::optional<torch::Tensor>& scale, bool a8) {
   check(x.scalar_type() == torch::kFloat, "float32 only");
   const int64_t K = x.size(-1);
   check_packed(packed, K, n, bias, scale);
+  check_a8(packed, K, a8);
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
   const auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto y = torch::empty({M, n}, x.options());
   linear_into(x2.data_ptr<float>(), M, packed, scale, bias.has_value() ? bias->data_ptr<float>() : nullptr, n,
-              y.data_ptr<float>(), nullptr);
+              y.data_ptr<float>(), nullptr, a8);
   return y.view(out_shape);
 }
 
@@ -851,7 +1089,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
                            double scale, const c10::optional<torch::Tensor>& next_k,
                            const c10::optional<torch::Tensor>& next_v, const c10::optional<torch::Tensor>& sqkv,
                            const c10::optional<torch::Tensor>& so, const c10::optional<torch::Tensor>& s13,
-                           const c10::optional<torch::Tensor>& s2) {
+                           const c10::optional<torch::Tensor>& s2, bool a8) {
   check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
   check(kpool.dim() == 3 && kpool.sizes() == vpool.sizes() && kpool.is_contiguous() && vpool.is_contiguous() &&
         kpool.scalar_type() == torch::kFloat && vpool.scalar_type() == torch::kFloat,
@@ -863,6 +1101,10 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   check_packed(wo, H * hd, D, bo, so);
   check_packed(w13, D, 2 * I, b13, s13);
   check_packed(w2, I, D, b2, s2);
+  check_a8(wqkv, D, a8);
+  check_a8(wo, H * hd, a8);
+  check_a8(w13, D, a8);
+  check_a8(w2, I, a8);
   const float* nul = nullptr;
   auto bp = [&](const c10::optional<torch::Tensor>& b) { return b.has_value() ? b->data_ptr<float>() : nul; };
   const int64_t* ra = rows.data_ptr<int64_t>();
@@ -870,7 +1112,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   auto h = x.contiguous().clone();  // the residual stream, updated in place below
   auto n1 = rms_norm(h, attn_norm, eps);
   auto qkv = torch::empty({B, 1, H + 2 * KVH, hd}, x.options());
-  linear_into(n1.data_ptr<float>(), B, wqkv, sqkv, bp(bqkv), nqkv, qkv.data_ptr<float>(), nullptr);
+  linear_into(n1.data_ptr<float>(), B, wqkv, sqkv, bp(bqkv), nqkv, qkv.data_ptr<float>(), nullptr, a8);
   rope_(qkv.narrow(2, 0, H + KVH), cos, sin);
   const float* qa = qkv.data_ptr<float>();
   float* ka = kpool.data_ptr<float>();
@@ -888,7 +1130,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   auto att = torch::empty({B, 1, H * hd}, x.options());
   attend(q.data_ptr<float>(), B, H, hd, KVH, kv, nullptr, float(scale), att.data_ptr<float>());
   float* ha = h.data_ptr<float>();
-  linear_into(att.data_ptr<float>(), B, wo, so, bp(bo), D, ha, ha);
+  linear_into(att.data_ptr<float>(), B, wo, so, bp(bo), D, ha, ha, a8);
   auto n2 = rms_norm(h, mlp_norm, eps);
   auto gu = torch::empty({B, 1, 2 * I}, x.options());
   Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
@@ -908,9 +1150,9 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
       }
     }
   }
-  linear_into(n2.data_ptr<float>(), B, w13, s13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, pf);
+  linear_into(n2.data_ptr<float>(), B, w13, s13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, a8, pf);
   auto a = silu_mul(gu);
-  linear_into(a.data_ptr<float>(), B, w2, s2, bp(b2), D, ha, ha);
+  linear_into(a.data_ptr<float>(), B, w2, s2, bp(b2), D, ha, ha, a8);
   return h;
 }
 
@@ -922,10 +1164,19 @@ bool set_isa(bool avx512) {
   return prev;
 }
 
+// Whether the int8-activation kernels use AVX512-VNNI (the caller checks the CPU's flags) or
+// their portable form. Returns the previous setting.
+bool set_vnni(bool vnni) {
+  const bool prev = g_vnni;
+  g_vnni = vnni;
+  return prev;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_vnni", &set_vnni, "int8 activations on AVX512-VNNI (true) or in portable C++ (false)", py::arg("vnni"));
   m.def("set_isa", &set_isa, "use the AVX-512 micro-kernels (true) or the AVX2 ones (false)", py::arg("avx512"));
   m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 and int4 panels with their scales)", py::arg("x"),
-        py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none());
+        py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none(), py::arg("a8") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
@@ -937,5 +1188,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wo"), py::arg("bo"), py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("kpool"),
         py::arg("vpool"), py::arg("rows"), py::arg("cos"), py::arg("sin"), py::arg("H"), py::arg("scale"),
         py::arg("next_k") = py::none(), py::arg("next_v") = py::none(), py::arg("sqkv") = py::none(),
-        py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none());
+        py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none(), py::arg("a8") = false);
 }
