@@ -494,8 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--serve's load generator: the openai client (serve.*), or vLLM's `vllm bench serve` from "
                         "--vllm-venv with request goodput at the TPOT limit (serve-vllm-bench.*)")
     b.add_argument("--dtype-parity", action="store_true",
-                   help="BLEU and greedy token agreement of bf16 and int8 against fp32 (default model: default-e2e) "
-                        "on the E2E validation split; writes benchmarks/results/dtype-parity.{json,md}")
+                   help="BLEU and greedy token agreement of every weight dtype against fp32 (default model: "
+                        "default-e2e) on e2e-heldout's report part; writes benchmarks/results/dtype-parity.{json,md}")
     b.add_argument("--quality", action="store_true",
                    help="quality on e2e-heldout's report and select parts vs measured wall-clock speedup, from the "
                         "evaluations benchmarks/quality_heldout.sh writes; benchmarks/results/quality.{json,md,png} "
