@@ -336,15 +336,17 @@ def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows
     b = torch.randn(n, generator=g)
     if int4:
         q, s = quantize_int4(w)
-        packed, ps = kernels.pack_int4(q, s)
+        (packed, ps), weight_only_panels = kernels.pack_int4_vnni(q, s), kernels.pack_int4(q, s)
     else:
         q, s = quantize_int8(w)
-        packed, ps = kernels.pack_weight(q), kernels.pack_scales(s)
+        packed, ps = kernels.pack_int8_vnni(q), kernels.pack_scales(s)
+        weight_only_panels = (kernels.pack_weight(q), ps)
+    assert packed.shape == weight_only_panels[0].shape and packed.dtype == weight_only_panels[0].dtype
     got = k.linear(x, packed, b, n, ps, a8=True)
     want, mag = _a8_reference(x, q, s, b, int4)
     assert ((got.double() - want).abs() <= 2e-7 * kdim / 32 * mag + 1e-6).all()
     # and it is the weight-only product up to the activations' rounding (about 0.5% here)
-    weight_only = k.linear(x, packed, b, n, ps)
+    weight_only = k.linear(x, *weight_only_panels[:1], b, n, weight_only_panels[1])
     diff = ((got - weight_only).norm() / weight_only.norm()).item()
     assert diff < 0.02 and (diff > 0 or kdim == 32 and rows == 1)
 
@@ -358,8 +360,8 @@ def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4):
 
     g = _gen(11)
     w, x = torch.randn(72, 576, generator=g), torch.randn(9, 576, generator=g)
-    packed, ps = kernels.pack_int4(*quantize_int4(w)) if int4 else \
-        (lambda q, s: (kernels.pack_weight(q), kernels.pack_scales(s)))(*quantize_int8(w))
+    packed, ps = kernels.pack_int4_vnni(*quantize_int4(w)) if int4 else \
+        (lambda q, s: (kernels.pack_int8_vnni(q), kernels.pack_scales(s)))(*quantize_int8(w))
     prev = k.set_vnni(True)
     try:
         fast = k.linear(x, packed, None, 72, ps, a8=True)
@@ -379,8 +381,8 @@ def test_int8_activation_rows_do_not_depend_on_their_batch_mates(k, int4, a8_for
 
     g = _gen(12)
     w, x = torch.randn(40, 320, generator=g), torch.randn(13, 320, generator=g)
-    packed, ps = kernels.pack_int4(*quantize_int4(w)) if int4 else \
-        (lambda q, s: (kernels.pack_weight(q), kernels.pack_scales(s)))(*quantize_int8(w))
+    packed, ps = kernels.pack_int4_vnni(*quantize_int4(w)) if int4 else \
+        (lambda q, s: (kernels.pack_int8_vnni(q), kernels.pack_scales(s)))(*quantize_int8(w))
     together = k.linear(x, packed, None, 40, ps, a8=True)
     for i in (0, 5, 12):
         assert torch.equal(together[i], k.linear(x[i:i + 1], packed, None, 40, ps, a8=True)[0])

@@ -139,7 +139,35 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     16 times its value), ``[ceil(N/16), K/32, 16]``, zero padded."""
     v = pack_weight(((q.to(torch.int16) - 8) & 0xF).to(torch.uint8))  # [NP, K, 16]
     packed = (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous()
+    return packed, pack_int4_scales(scales)
+
+
+def pack_int4_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``[N, K/32]`` bf16 group scales -> ``[ceil(N/16), K/32, 16]``, divided by 16, zero padded."""
     n, g = scales.shape
     sc = (scales.float() / 16).bfloat16()
-    sc = F.pad(sc, (0, 0, 0, (-n) % PANEL)).reshape(-1, PANEL, g).transpose(1, 2).contiguous()
-    return packed, sc
+    return F.pad(sc, (0, 0, 0, (-n) % PANEL)).reshape(-1, PANEL, g).transpose(1, 2).contiguous()
+
+
+def pack_int8_vnni(q: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 weights (K a multiple of 4) -> the panels of ``w8a8`` (int8 activations):
+    ``[ceil(N/16), K, 16]`` int8 holding, per panel and 4 consecutive inputs, each column's 4
+    weights as one 32-bit group (AVX512-VNNI's ``vpdpbusd`` operand, 64 bytes), offset to unsigned
+    (the byte ``q + 128``). Scales as ``pack_scales``."""
+    n, k = q.shape
+    v = pack_weight(q)  # [NP, K, 16]
+    v = v.reshape(v.shape[0], k // 4, 4, PANEL).transpose(2, 3)  # [NP, K/4, 16 columns, 4 k]
+    u = (v.to(torch.int16) + 128).to(torch.uint8)
+    return u.contiguous().view(torch.int8).reshape(-1, k, PANEL)
+
+
+def pack_int4_vnni(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` int4 codes (0..15) and ``[N, K/32]`` bf16 group scales -> the panels of ``w4a8``:
+    per panel and 4 consecutive inputs, the 64 codes in ``vpdpbusd`` order (each column's 4 as one
+    32-bit group) stored in 32 bytes, codes 0-31 in the low nibbles and 32-63 in the high ones:
+    ``[ceil(N/16), K/2, 16]`` uint8. Scales as ``pack_int4`` (divided by 16)."""
+    n, k = q.shape
+    v = pack_weight(q)  # [NP, K, 16] codes
+    v = v.reshape(v.shape[0], k // 4, 4, PANEL).transpose(2, 3).reshape(v.shape[0], k // 4, 64)
+    packed = (v[..., :32] | (v[..., 32:] << 4)).contiguous().reshape(-1, k // 2, PANEL)
+    return packed, pack_int4_scales(scales)

@@ -115,7 +115,7 @@ class PackedLinear(nn.Module):
             q, sc = quantize_int4(w)
             self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int4")
             if self.kernels is not None:
-                self.packed, self.panel_scales = kernels.pack_int4(q, sc)
+                self.packed, self.panel_scales = kernels.pack_int4_vnni(q, sc) if self.a8 else kernels.pack_int4(q, sc)
             else:  # no compiled kernels: the same rounding, dequantized, on torch's bf16 GEMM
                 self.dense = dequantize_int4(q, sc).bfloat16()
         else:
@@ -123,7 +123,8 @@ class PackedLinear(nn.Module):
             self.plan = tuple("hand" for _ in dispatch.BUCKETS) if self.a8 else \
                 dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int8")
             if self.kernels is not None and ("hand" in self.plan or keep_panels):
-                self.packed, self.panel_scales = kernels.pack_weight(q), kernels.pack_scales(sc)
+                self.packed = kernels.pack_int8_vnni(q) if self.a8 else kernels.pack_weight(q)
+                self.panel_scales = kernels.pack_scales(sc)
             if dispatch.int8mm_takes(self.in_features) and "int8mm" in self.plan:
                 self.qweight, self.scales = q, sc
             elif self.packed is None:  # no kernels and a shape torch's int8 GEMM cannot take:

@@ -456,10 +456,10 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
 // per 16 multiply-adds (int4 batch 1 reads 24% of the bandwidth). Quantizing each row's
 // activations to int8 in blocks of QB = 32 along k (scale = max|x| / 127, round to nearest even)
 // turns 4 k of 16 columns into one AVX512-VNNI vpdpbusd (64 multiply-adds, exact int32 sums).
-// The packed weights stay as they are: 4 panel rows (64 bytes) become the VNNI layout with one
-// dword permute and one in-lane byte shuffle, shared by every row of the call. vpdpbusd takes
-// unsigned x signed bytes, so the weight side is offset to unsigned (int8: q + 128, int4: v + 8)
-// and the offset times the block's sum of quantized activations is subtracted from each sum.
+// The weights are packed for it (kernels.pack_int8_vnni / pack_int4_vnni): per 4 k of a 16-column
+// panel, each column's 4 weights are one dword. vpdpbusd takes unsigned x signed bytes, so the
+// weights are stored offset to unsigned (int8: q + 128, int4: the code v + 8) and the offset times
+// the block's sum of quantized activations is subtracted from each sum.
 // CPUs without VNNI run the same integer sums in plain C++ (a8_portable): the same outputs.
 constexpr int64_t QB = 32;
 
@@ -471,51 +471,58 @@ struct QuantX {
   int64_t K = 0, nb = 0;
 };
 
+// Rounding by cvtps (the default MXCSR mode: nearest, ties to even) in AVX2, which every CPU the
+// kernels run on has; std::nearbyint is a libm call per element, a measurable share of a one-row call.
 void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx) {
   qx.K = K;
   qx.nb = K / QB;
   qx.q.resize(M * K);
   qx.s.resize(M * qx.nb);
   qx.sum.resize(M * qx.nb);
+  const __m256 sign = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < qx.nb; ++b) {
       const float* xb = x + r * K + b * QB;
-      float amax = 0.f;
-      for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t i = 0; i < QB; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+      m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+      m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
+      m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
+      const float amax = _mm256_cvtss_f32(m);
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < QB; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(std::min(127.f, std::max(-127.f, xb[i] * inv))));
-        qx.q[r * K + b * QB + i] = static_cast<int8_t>(v);
-        sum += v;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      __m256i sum = _mm256_setzero_si256();
+      alignas(32) int32_t q[QB];
+      for (int64_t i = 0; i < QB; i += 8) {
+        const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(xb + i), vinv)));
+        const __m256i qi = _mm256_cvtps_epi32(v);
+        sum = _mm256_add_epi32(sum, qi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), qi);
       }
+      int8_t* dst = qx.q.data() + r * K + b * QB;
+      for (int64_t i = 0; i < QB; ++i) dst[i] = static_cast<int8_t>(q[i]);
+      alignas(32) int32_t part[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(part), sum);
       qx.s[r * qx.nb + b] = d;
-      qx.sum[r * qx.nb + b] = sum;
+      qx.sum[r * qx.nb + b] = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
     }
 }
 
 #define SD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 bool g_vnni = false;
 
-// 4 panel rows of int8 (k0..k3, 16 columns each) -> per column the 4 k as one dword, offset to unsigned.
-SD_VNNI static inline __m512i vnni_i8(const int8_t* w) {
-  const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  const __m512i sh = _mm512_set4_epi32(0x0f0b0703, 0x0e0a0602, 0x0d090501, 0x0c080400);
-  const __m512i v = _mm512_permutexvar_epi32(tr, _mm512_loadu_si512(w));
-  return _mm512_xor_si512(_mm512_shuffle_epi8(v, sh), _mm512_set1_epi8(static_cast<char>(0x80)));
-}
+// w8a8 panels (kernels.pack_int8_vnni): per 4 k, 16 columns x the 4 k as one dword each, offset to
+// unsigned (q + 128): one 64-byte load is vpdpbusd's weight operand.
+SD_VNNI static inline __m512i vnni_i8(const int8_t* w) { return _mm512_loadu_si512(w); }
 
-// 2 int4 pair rows (k0|k1, k2|k3; 32 bytes) -> per column the 4 k as one dword of v + 8 (0..15).
+// w4a8 panels (kernels.pack_int4_vnni): per 4 k, 32 bytes whose low nibbles are bytes 0-31 and high
+// nibbles bytes 32-63 of the 64-byte operand (codes q = v + 8, 0..15). Broadcast to both halves,
+// shift the upper half's 16-bit lanes right by 4, mask: 3 instructions per 64 weights.
 SD_VNNI static inline __m512i vnni_i4(const uint8_t* w) {
-  // row j of the 4 comes from: j=0 low nibbles of pair 0 (dwords 0-3 of lo), j=1 its high nibbles
-  // (16 + 0-3: hi), j=2 low of pair 1 (4-7), j=3 high of pair 1 (16 + 4-7); dword L*4 + j <- row j's dword L
-  const __m512i tr = _mm512_set_epi32(23, 7, 19, 3, 22, 6, 18, 2, 21, 5, 17, 1, 20, 4, 16, 0);
-  const __m512i sh = _mm512_set4_epi32(0x0f0b0703, 0x0e0a0602, 0x0d090501, 0x0c080400);
-  const __m512i t = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  const __m512i m = _mm512_set1_epi8(0x0f);
-  const __m512i lo = _mm512_and_si512(t, m), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), m);
-  const __m512i v = _mm512_permutex2var_epi32(lo, tr, hi);
-  return _mm512_xor_si512(_mm512_shuffle_epi8(v, sh), _mm512_set1_epi8(0x08));
+  const __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  const __m512i sh = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                      0x0004000400040004LL, 0, 0, 0, 0);
+  return _mm512_and_si512(_mm512_srlv_epi16(t, sh), _mm512_set1_epi8(0x0f));
 }
 
 // rows x 16 outputs of one panel over one K block (kc a multiple of QB) with int8 activations.
@@ -598,12 +605,13 @@ void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const i
       for (int64_t k = b; k < b + QB; ++k) {
         const int32_t xv = xq[r * K + k];
         for (int64_t c = 0; c < NR; ++c) {
+          const int64_t v = c * 4 + k % 4;  // the weight's byte in its 4 k's 64-byte operand
           int32_t wq;
           if constexpr (Q4) {
-            const uint8_t byte = static_cast<const uint8_t*>(wv)[(k / 2) * NR + c];
-            wq = static_cast<int32_t>(((k % 2) ? (byte >> 4) : (byte & 0x0f)) ^ 0x08) - 8;
+            const uint8_t byte = static_cast<const uint8_t*>(wv)[(k / 4) * 32 + v % 32];
+            wq = static_cast<int32_t>(v < 32 ? byte & 0x0f : byte >> 4) - 8;
           } else {
-            wq = static_cast<const int8_t*>(wv)[k * NR + c];
+            wq = static_cast<int32_t>(static_cast<uint8_t>(static_cast<const int8_t*>(wv)[(k / 4) * 64 + v])) - 128;
           }
           s[c] += xv * wq;
         }
