@@ -400,46 +400,24 @@ def test_int8_activations_refuse_float_panels_and_ragged_k(k):
 
 
 @pytest.fixture(scope="module")
-def tiny_w8a8(tiny_dirs):
+def tiny_reduced(tiny_dirs):
+    """The llama tiny model in each reduced-precision dtype on the kernels' panels: int8 and int4
+    (weight-only, scaled panels), w8a8 and w4a8 (int8 activations)."""
     from skipdecode.checkpoint import load_model
 
-    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="w8a8")
-
-
-@pytest.fixture(scope="module")
-def tiny_w4a8(tiny_dirs):
-    from skipdecode.checkpoint import load_model
-
-    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="w4a8")
-
-
-@pytest.fixture(scope="module")
-def tiny_int8(tiny_dirs):
-    """The llama tiny model with int8 weights on the kernels' int8 panels."""
-    from skipdecode.checkpoint import load_model
-
-    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int8")
-
-
-@pytest.fixture(scope="module")
-def tiny_int4(tiny_dirs):
-    """The llama tiny model with int4 weights on the kernels' int4 panels."""
-    from skipdecode.checkpoint import load_model
-
-    return load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int4")
+    return {w: load_model(tiny_dirs["llama"])[0].pack_for_inference(weights=w)
+            for w in ("int8", "int4", "w8a8", "w4a8")}
 
 
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8", "llama-int4",
                                   "llama-w8a8", "llama-w4a8"])
 @pytest.mark.parametrize("skip_first", [False, True])
-def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_int8, tiny_int4, tiny_w8a8, tiny_w4a8, arch,
-                                                      skip_first, isa):
+def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_reduced, arch, skip_first, isa):
     """Rows of different lengths, each in its own pool slots: full-depth
     prefill, then one decode step, fused (one kernel call per layer) and
     unfused: same logits, same pool (int8 weights too: scaled panels)."""
-    net = {"llama-int8": tiny_int8, "llama-int4": tiny_int4, "llama-w8a8": tiny_w8a8,
-           "llama-w4a8": tiny_w4a8}.get(arch) or tiny_packed[arch]
+    net = tiny_reduced[arch[6:]] if arch.startswith("llama-") else tiny_packed[arch]
     if arch in ("llama-w8a8", "llama-w4a8"):
         assert all(b.wqkv.a8 and b.w2.a8 and b.fused_decode for b in net.layers) and net.lm_head.a8
     if arch == "llama-int8":

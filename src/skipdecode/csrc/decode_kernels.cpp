@@ -391,6 +391,21 @@ struct Prefetch {
   }
 };
 
+// The loop every panel GEMM shares: panels split across threads, K in blocks of KC (a weight
+// block stays in L1 while every row block uses it), rows in blocks of mr. body(p, k0, kc, m, r, acc)
+// runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows.
+template <typename Body>
+void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Prefetch& pf, const Body& body) {
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(((M + mr - 1) / mr) * mr * NR);
+    for (int64_t p = p0; p < p1; ++p) {
+      pf.part(p, NP);
+      for (int64_t k0 = 0; k0 < K; k0 += KC)
+        for (int64_t m = 0; m < M; m += mr) body(p, k0, std::min(KC, K - k0), m, std::min(mr, M - m), acc.data() + m * NR);
+    }
+  });
+}
+
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ res), W packed by skipdecode.kernels.pack_weight
 // as [ceil(N / 16), K, 16] (zero padded). x and y are row-major and must not
 // overlap; res may be y itself (an in-place residual add: each element is read
@@ -398,56 +413,36 @@ struct Prefetch {
 template <typename W>
 void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa, const float* ba,
                    int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
-    for (int64_t p = p0; p < p1; ++p) {
-      pf.part(p, NP);
-      const int64_t ncols = std::min(NR, n - p * NR);
-      const float* bp = ba ? ba + p * NR : nullptr;
-      const float* sp = sa ? sa + p * NR : nullptr;
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const bool first = k0 == 0, last = k0 + kc == K;
-        const W* w = wa + (p * K + k0) * NR;
-        for (int64_t m = 0; m < M; m += MR) {
-          const int64_t r = std::min(MR, M - m);
-          if (g_avx512)
-            row_block512(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols,
-                         sp, bp, res ? res + m * n + p * NR : nullptr);
-          else
-            row_block(r, xa + m * K + k0, K, w, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n, ncols,
-                      sp, bp, res ? res + m * n + p * NR : nullptr);
-        }
-      }
-    }
+  panel_loop(M, K, NP, MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+    const int64_t ncols = std::min(NR, n - p * NR);
+    const float* bp = ba ? ba + p * NR : nullptr;
+    const float* sp = sa ? sa + p * NR : nullptr;
+    const bool first = k0 == 0, last = k0 + kc == K;
+    const W* w = wa + (p * K + k0) * NR;
+    if (g_avx512)
+      row_block512(r, xa + m * K + k0, K, w, kc, acc, first, last, ya + m * n + p * NR, n, ncols, sp, bp,
+                   res ? res + m * n + p * NR : nullptr);
+    else
+      row_block(r, xa + m * K + k0, K, w, kc, acc, first, last, ya + m * n + p * NR, n, ncols, sp, bp,
+                res ? res + m * n + p * NR : nullptr);
   });
 }
 
 // The same over int4 panels ([NP, K / 2, 16] bytes) with their group scales ([NP, K / G4, 16] bf16).
 void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
                       const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
-    for (int64_t p = p0; p < p1; ++p) {
-      pf.part(p, NP);
-      const int64_t ncols = std::min(NR, n - p * NR);
-      const float* bp = ba ? ba + p * NR : nullptr;
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const bool first = k0 == 0, last = k0 + kc == K;
-        const uint8_t* w = wa + (p * K + k0) * (NR / 2);  // [NP, K / 2, 16] bytes
-        const uint16_t* s = sa + (p * (K / G4) + k0 / G4) * NR;
-        for (int64_t m = 0; m < M; m += MR) {
-          const int64_t r = std::min(MR, M - m);
-          if (g_avx512)
-            row_block_q4_512(r, xa + m * K + k0, K, w, s, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR,
-                             n, ncols, bp, res ? res + m * n + p * NR : nullptr);
-          else
-            row_block_q4(r, xa + m * K + k0, K, w, s, kc, acc.data() + m * NR, first, last, ya + m * n + p * NR, n,
-                         ncols, bp, res ? res + m * n + p * NR : nullptr);
-        }
-      }
-    }
+  panel_loop(M, K, NP, MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+    const int64_t ncols = std::min(NR, n - p * NR);
+    const float* bp = ba ? ba + p * NR : nullptr;
+    const bool first = k0 == 0, last = k0 + kc == K;
+    const uint8_t* w = wa + (p * K + k0) * (NR / 2);  // [NP, K / 2, 16] bytes
+    const uint16_t* s = sa + (p * (K / G4) + k0 / G4) * NR;
+    if (g_avx512)
+      row_block_q4_512(r, xa + m * K + k0, K, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
+                       res ? res + m * n + p * NR : nullptr);
+    else
+      row_block_q4(r, xa + m * K + k0, K, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
+                   res ? res + m * n + p * NR : nullptr);
   });
 }
 
@@ -646,42 +641,27 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
   quantize_rows(xa, M, K, qx);
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
-  // rearranged once for up to 12 rows
-  constexpr int64_t MR = 12;
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(((M + MR - 1) / MR) * MR * NR);
-    for (int64_t p = p0; p < p1; ++p) {
-      pf.part(p, NP);
-      const int64_t ncols = std::min(NR, n - p * NR);
-      const float* bp = ba ? ba + p * NR : nullptr;
-      const float* sp = sa ? sa + p * NR : nullptr;
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const bool first = k0 == 0, last = k0 + kc == K;
-        const void* w = Q4 ? static_cast<const void*>(static_cast<const uint8_t*>(wa) + (p * K + k0) * (NR / 2))
-                           : static_cast<const void*>(static_cast<const int8_t*>(wa) + (p * K + k0) * NR);
-        const uint16_t* g = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
-        for (int64_t m = 0; m < M; m += MR) {
-          const int64_t r = std::min(MR, M - m);
-          const int8_t* xq = qx.q.data() + m * K + k0;
-          const float* xs = qx.s.data() + m * nb + k0 / QB;
-          const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
-          float* yp = ya + m * n + p * NR;
-          const float* rp = res ? res + m * n + p * NR : nullptr;
-          if (g_vnni)
-            row_block_a8<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc.data() + m * NR, first, last, yp, n, ncols, sp,
-                             bp, rp);
-          else
-            row_block_a8_portable<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc.data() + m * NR, first, last, yp, n,
-                                      ncols, sp, bp, rp);
-        }
-      }
-    }
+  // loaded (and int4 decoded) once for up to 12 rows
+  panel_loop(M, K, NP, 12, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+    const int64_t ncols = std::min(NR, n - p * NR);
+    const float* bp = ba ? ba + p * NR : nullptr;
+    const float* sp = sa ? sa + p * NR : nullptr;
+    const bool first = k0 == 0, last = k0 + kc == K;
+    const void* w = Q4 ? static_cast<const void*>(static_cast<const uint8_t*>(wa) + (p * K + k0) * (NR / 2))
+                       : static_cast<const void*>(static_cast<const int8_t*>(wa) + (p * K + k0) * NR);
+    const uint16_t* g = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
+    const int8_t* xq = qx.q.data() + m * K + k0;
+    const float* xs = qx.s.data() + m * nb + k0 / QB;
+    const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
+    float* yp = ya + m * n + p * NR;
+    const float* rp = res ? res + m * n + p * NR : nullptr;
+    if (g_vnni)
+      row_block_a8<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
+    else
+      row_block_a8_portable<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
   });
 }
 
-// fp32, bf16 or int8 panels (the weight's dtype picks the micro-kernel; int8 panels
-// come with one fp32 scale per padded output column); activations are fp32 either way.
 // a8: int8 or int4 panels with the activations quantized to int8 (linear_panels_a8; K % 32 == 0).
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
                  const float* ba, int64_t n, float* ya, const float* res, bool a8 = false,
