@@ -41,6 +41,7 @@ bench-engine: setup  ## the serving engine under Poisson arrivals: benchmarks/re
 
 bench-lossless: setup  ## lossless mode vs 1x, skipping and transformers: benchmarks/results/lossless.{json,md,png}
 	$(BIN)/skipdecode bench --lossless
+	$(BIN)/skipdecode bench --lossless --dtype w8a8 --out-dir benchmarks/results/lossless-w8a8
 
 # vLLM for CPU, the serving benchmark's peer, in its own virtualenv (never in .venv).
 # torchvision/torchaudio/torchcodec come built for another torch and break its imports.

@@ -137,7 +137,10 @@ def run_lossless_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     pool = load_task("e2e-names").eval_items("validation")  # the serving runs draw from all of it
     items = pool[:max(n_prompts, 8)]  # report prompts (and the batches of 4 and 8)
     tune_items = pool[n_prompts:2 * n_prompts]  # tuning prompts: the setting is chosen here
-    report: dict = {"machine": machine_info(), "model": model, "max_new_tokens": max_new_tokens,
+    default_dtypes = tuple(dtypes) == ("float32", "int8")
+    command = "skipdecode bench --lossless" + "".join(f" --dtype {d}" for d in dtypes if not default_dtypes) \
+        + ("" if Path(out_dir) == Path(RESULTS) else f" --out-dir {out_dir}") + (" --quick" if quick else "")
+    report: dict = {"machine": machine_info(), "command": command, "model": model, "max_new_tokens": max_new_tokens,
                     "prompts": n_prompts, "split": "e2e-names validation (held-out restaurant names)",
                     "tuning_prompts": len(tune_items),
                     "repeats": repeats, "tpot_limit_ms": TPOT_LIMIT_MS,
@@ -276,7 +279,9 @@ def render_markdown(rep: dict) -> str:
         f"- Every batch-1 row also runs on {rep.get('tuning_prompts', 0)} other prompts of the split (*tuning*); "
         "the lossless setting is chosen there, and the figures shown are the report prompts'. "
         "`K`: drafts per round; `c`: a round stops drafting after a draft its pass gave less than this probability.",
-        "- Command: `skipdecode bench --lossless` (`make bench-lossless`).",
+        f"- Command: `{rep.get('command', 'skipdecode bench --lossless')}`"
+        + (" (`make bench-lossless`)." if rep.get("command", "skipdecode bench --lossless") == "skipdecode bench --lossless"
+           else "."),
         "",
     ]
     for dtype, d in rep["dtypes"].items():
