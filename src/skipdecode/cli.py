@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .config import DTYPE_HELP, WEIGHT_DTYPES
 from .errors import SkipDecodeError
 from .schedule import parse_speedups
 from .validation import NON_NEGATIVE, POSITIVE, SEED, SPEEDUP, VAL_GROUPS, adaptive_arg, float_arg, int_arg, int_list
@@ -458,8 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None, help="force the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"],
-                   help="weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only")
+    g.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES, help=DTYPE_HELP)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--trace", action="store_true", help="with --json: token ids and active layers per token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speedups", type=parse_speedups, default=None)
     b.add_argument("--new-tokens", type=POSITIVE, default=None)
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    b.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"], default=None,
+    b.add_argument("--dtype", action="append", choices=WEIGHT_DTYPES, default=None,
                    help="weight dtypes to run (repeatable; default float32, bfloat16 and int8; fp32 always runs)")
     b.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer (offline LLM.generate)")
     b.add_argument("--engine", action="store_true",
@@ -541,8 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--stats-interval", type=float_arg(0), default=10.0,
                    help="seconds between activity lines in the log (0: none)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"],
-                   help="weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only")
+    v.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES, help=DTYPE_HELP)
     v.add_argument("--grace", type=float_arg(0), default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

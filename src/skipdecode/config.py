@@ -10,6 +10,14 @@ from typing import Any
 from .errors import SkipDecodeError
 
 
+# The linears' weight dtypes (model.PackedLinear): fp32, bf16, weight-only int8 / int4, and int8 / int4
+# weights with int8 activations (w8a8, w4a8). Here, beside the other switches, so that the CLI's
+# choices come from the same tuple without importing torch.
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8")
+DTYPE_HELP = ("weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only, or w8a8 / w4a8 "
+              "(int8 / int4 weights with int8 activations)")
+
+
 class ModelError(SkipDecodeError):
     """A model or checkpoint we cannot load, with what to do about it."""
 

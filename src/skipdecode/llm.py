@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from .checkpoint import load_model
-from .config import ModelError
+from .config import WEIGHT_DTYPES, ModelError
 from .engine import DEFAULT_LOSSLESS_SPEEDUP, Engine, EngineConfig, Request, SamplingParams
 from .errors import SkipDecodeError
 from .generate import GenerationError, Sampling, generate_tokens
@@ -32,8 +32,7 @@ from .schedule import DEFAULT_DECAY, SkipSchedule
 # rounded from fp32 when packed (activations, norms, embeddings and the KV cache stay fp32)
 log = logging.getLogger("skipdecode")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "int8": torch.float32, "int4": torch.float32,
-           "w8a8": torch.float32, "w4a8": torch.float32, "float16": torch.float16}
+_DTYPES = {**{d: torch.float32 for d in WEIGHT_DTYPES}, "float16": torch.float16}
 
 
 @dataclass
@@ -86,7 +85,7 @@ class LLM:
         if dtype not in _DTYPES:
             raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         net, path = load_model(model, _DTYPES[dtype])
-        if dtype in ("bfloat16", "int8", "int4", "w8a8", "w4a8") and not pack:
+        if dtype in WEIGHT_DTYPES and dtype != "float32" and not pack:
             raise ModelError(f"{dtype} weights exist only packed for inference: drop pack=False or use float32")
         if pack:
             net.pack_for_inference(use_kernels, weights=dtype if dtype != "float16" else None)

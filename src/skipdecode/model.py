@@ -33,10 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch, kernels
-from .config import ModelConfig
+from .config import WEIGHT_DTYPES, ModelConfig
 
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8")
 A8_DTYPES = {"w8a8": "int8", "w4a8": "int4"}  # int8 activations -> the weight dtype they run on
 
 
@@ -120,8 +119,8 @@ class PackedLinear(nn.Module):
                 self.dense = dequantize_int4(q, sc).bfloat16()
         else:
             q, sc = quantize_int8(w)
-            self.plan = tuple("hand" for _ in dispatch.BUCKETS) if self.a8 else \
-                dispatch.plan_for(self.out_features, self.in_features, self.kernels, "int8")
+            self.plan = dispatch.plan_for(self.out_features, self.in_features, self.kernels,
+                                          "w8a8" if self.a8 else "int8")
             if self.kernels is not None and ("hand" in self.plan or keep_panels):
                 self.packed = kernels.pack_int8_vnni(q) if self.a8 else kernels.pack_weight(q)
                 self.panel_scales = kernels.pack_scales(sc)

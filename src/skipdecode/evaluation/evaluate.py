@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from .. import atomic
+from ..config import DTYPE_HELP, WEIGHT_DTYPES
 from ..data import DataError, EvalItem, TaskData, encode_example, load_e2e, read_e2e, read_scitldr
 from ..llm import LLM
 from ..validation import SEED_MAX, adaptive_arg, check_float, check_int
@@ -261,8 +262,7 @@ def add_evaluate_cli(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--mode", choices=["skip", "early_exit", "nested"], default=None,
                    help="skip (the paper: the lower layers go), early_exit (the upper ones go) or nested (the least influential go, in the order the checkpoint measured; skipdecode train --mode nested); default: the family the checkpoint was trained with")
     e.add_argument("--no-bertscore", action="store_true")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"],
-                   help="weights: float32, bfloat16 or int8 weight-only")
+    e.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES, help=DTYPE_HELP)
     e.add_argument("--adaptive", nargs="?", const=True, default=None, type=adaptive_arg, metavar="THRESHOLD",
                    help="adaptive budgets: each request steps down its schedule only after tokens with top-1 "
                         "probability >= THRESHOLD (alone: the thresholds the model calibrated per speedup)")
