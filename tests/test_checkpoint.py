@@ -151,3 +151,33 @@ def test_exported_config_names_its_architecture_even_when_the_source_did_not(tin
     assert ckpt.hf_architecture({"architectures": ["OPTForCausalLM"], "model_type": "opt"}) == "OPTForCausalLM"
     with pytest.raises(ckpt.ModelError, match="unknown model_type 'nonesuch'"):
         ckpt.hf_architecture({"model_type": "nonesuch"})
+
+
+def test_an_adapter_reused_from_another_place_or_reinstall_merges_once(tiny_cli_dir, tmp_path, monkeypatch):
+    """The merged model is keyed by the adapter's bytes, not its path or mtime: a
+    fresh clone or a reinstall of the same adapter must not write another full copy."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from skipdecode.checkpoint import load_model
+    from skipdecode.lora import apply_lora, save_adapter
+
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))
+    net, base = load_model(tiny_cli_dir)
+    a = save_adapter(apply_lora(net, r=2, alpha=4, dropout=0.0, seed=0), base, tmp_path / "adapter", {})
+    merged = resolve(a)
+    copy = tmp_path / "elsewhere" / "adapter"
+    shutil.copytree(a, copy)
+    for f in copy.iterdir():  # a new checkout: same bytes, new times
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    with monkeypatch.context() as m:
+        m.setattr("skipdecode.lora.merge_lora", lambda *a, **k: pytest.fail("merged a second time"))
+        assert resolve(copy) == merged
+    assert len(list((tmp_path / "cache").glob("adapter-merged-*"))) == 1
+    # changed weights are a different model: merged anew, not served stale
+    sd = load_file(copy / "adapter_model.safetensors")
+    k = next(k for k in sd if "lora_B" in k)
+    sd[k] = sd[k] + 1.0
+    save_file(sd, copy / "adapter_model.safetensors", metadata={"format": "pt"})
+    assert resolve(copy) != merged

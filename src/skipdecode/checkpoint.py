@@ -79,10 +79,23 @@ def stage_bar(desc: str, stages: int):
 
 
 def _file_key(*files: Path) -> str:
+    """A cache key from where the files are and when they changed (cheap for large GGUFs)."""
     h = hashlib.sha1()
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def _content_key(*files: Path) -> str:
+    """A cache key from what the files hold, so a reinstall, a fresh clone or a copy of
+    the same adapter reuses its merged model instead of writing another full-size copy."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()[:12]
 
 
@@ -115,7 +128,7 @@ def resolve(model: str | os.PathLike) -> Path:
             raise ModelError(f"{p} has adapter_config.json but no adapter_model.safetensors: "
                              "copy the whole adapter directory (peft's save_pretrained writes both)")
         meta = [p / "skipdecode.json"] if (p / "skipdecode.json").is_file() else []  # its schedules, thresholds
-        return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_file_key(*files, *meta)}")
+        return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_content_key(*files, *meta)}")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise ModelError(f"{p} is not a Hugging Face model directory (no config.json) nor a .gguf file")
     return p
