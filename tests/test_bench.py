@@ -44,3 +44,27 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     assert saved["settings"]["decode_kernels"] in md
     assert set(saved["settings"]["plans"]) == {"float32", "bfloat16", "int8"}  # every dtype's chosen forms
     assert "- int8: wqkv: " in md
+
+
+@pytest.mark.slow
+def test_lookup_bench_compares_prompt_lookup_on_both_tasks_and_every_output_is_full_depths(tmp_path):
+    from skipdecode.bench.lookup import TASKS, run_lookup_bench
+
+    report = run_lookup_bench("default-e2e", out_dir=tmp_path, dtypes=("int8",), quick=True)
+    assert json.loads((tmp_path / "lossless-lookup.json").read_text()) == json.loads(json.dumps(report))
+    d = report["dtypes"]["int8"]
+    assert d["chosen_ngram"] == 2 and set(d["tasks"]) == set(TASKS)
+    for rows in d["tasks"].values():
+        assert set(rows) == {"1x", "lossless", "lossless, lookup 2"}
+        for name, parts in rows.items():
+            for part in ("report", "tuning"):
+                r = parts[part]
+                assert r["decode_tokens_per_s"] > 0
+                if name != "1x":
+                    assert r["identical_to_full_depth"] == 3, (name, part)
+        assert rows["lossless"]["report"]["lookup_drafted"] == 0
+    # SciTLDR's summaries copy their abstracts: lookups are drafted and accepted there
+    sci = d["tasks"]["scitldr"]["lossless, lookup 2"]["report"]
+    assert 0 < sci["lookup_accepted"] <= sci["lookup_drafted"]
+    md = (tmp_path / "lossless-lookup.md").read_text()
+    assert "skipdecode bench --lossless-lookup" in md and "lookup 2" in md

@@ -58,6 +58,15 @@ def test_generate_lossless_gives_full_depth_tokens_and_reports_its_drafts(tiny_c
     assert "--draft-confidence applies to --lossless generation only" in capsys.readouterr().err
     objs = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--lossless", "--draft-confidence", "0.9", *PROMPTS)
     assert [o["token_ids"] for o in objs] == [f["token_ids"] for f in full]
+    objs = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--lossless", "--draft-confidence", "0.9",
+                    "--prompt-lookup", "1", *PROMPTS)
+    assert [o["token_ids"] for o in objs] == [f["token_ids"] for f in full]
+    assert all("lookup_drafted_tokens" in o["draft"] for o in objs)
+    assert main(["generate", "--model", str(tiny_cli_dir), "--prompt-lookup", "2", PROMPTS[0]]) != 0
+    assert "--prompt-lookup applies to --lossless generation only" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_cli_dir), "--max-new-tokens", "4", "--lossless", "--prompt-lookup", "9",
+                 PROMPTS[0]]) != 0
+    assert "prompt_lookup must be an integer in [0, 4]" in capsys.readouterr().err
 
 
 def test_generate_adaptive_threshold_zero_is_the_static_schedule_and_others_run_no_shallower(tiny_cli_dir, capsys):

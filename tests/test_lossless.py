@@ -137,6 +137,47 @@ def test_a_draft_confidence_cutoff_ends_rounds_early_and_output_still_matches_fu
         assert per_round[0] > 1.0
 
 
+def test_prompt_lookup_drafts_what_followed_the_last_tokens_before():
+    """Longest suffix first (up to 4 tokens), its latest earlier occurrence, at least
+    ``min_ngram`` tokens matched, at most ``k`` tokens proposed."""
+    from skipdecode.policies.lookup import lookup_drafts
+
+    name = [40, 41, 42, 43]  # a name in the prompt, then text, then its first token again
+    ctx = [1, 2, *name, 7, 8, 40]
+    assert lookup_drafts(ctx, 1, 3) == [41, 42, 43]
+    assert lookup_drafts(ctx, 2, 3) == []  # "8 40" never occurred before
+    assert lookup_drafts(ctx, 1, 8) == [41, 42, 43, 7, 8, 40]  # it runs on to the context's end
+    # the longest match wins over a later shorter one: "5 6" -> 9, though "6" last preceded 7
+    assert lookup_drafts([5, 6, 9, 4, 6, 7, 5, 6], 1, 1) == [9]
+    assert lookup_drafts([3, 6, 7, 3, 6, 8, 3, 6], 2, 1) == [8]  # the latest occurrence
+    assert lookup_drafts([1, 2, 3], 1, 4) == [] and lookup_drafts([4], 1, 4) == []
+    assert lookup_drafts(ctx, 1, 0) == []
+
+
+def test_prompt_lookup_drafts_are_verified_like_any_and_output_still_matches_full_depth(deep):
+    """Lossless requests that also draft by prompt lookup, greedy, beside other
+    requests: full depth's tokens exactly; lookups were drafted and some accepted."""
+    ref, model = deep
+    g = torch.Generator().manual_seed(5)
+    eng = Engine(model, EngineConfig(max_num_seqs=6, kv_slots=2000, draft_batch_limit=6))
+    prompts, new = [], 40
+    for r in range(6):
+        span = torch.randint(3, VOCAB, (6,), generator=g).tolist()
+        prompts.append(torch.randint(3, VOCAB, (9,), generator=g).tolist() + span * 3)  # the output may copy
+        kw = dict(lossless=True, prompt_lookup=1 + r % 2, draft_tokens=4) if r < 4 else {}
+        eng.add_request(prompts[-1], max_new_tokens=new, schedule=_sched(2 + r % 3, new), ignore_eos=True,
+                        request_id=str(r), **kw)
+    outs = {o.request_id: o for o in eng.run()}
+    looked = accepted = 0
+    for r in range(4):
+        out = outs[str(r)]
+        assert out.token_ids == naive_generate(ref, prompts[r], SkipSchedule.full_depth(L), new), r
+        looked, accepted = looked + out.draft.lookup_drafted, accepted + out.draft.lookup_accepted
+        assert out.draft.lookup_accepted <= out.draft.accepted and out.draft.lookup_drafted <= out.draft.drafted
+    assert looked > 0 and accepted > 0, (looked, accepted)
+    assert eng.pool.used_slots == 0
+
+
 def test_eos_drafted_or_verified_ends_the_request_as_full_depth_does(deep):
     """EOS stops a round's drafting; a lossless request ends where full depth ends."""
     ref, model = deep
@@ -259,6 +300,11 @@ def test_bad_lossless_options_are_clear_errors(deep):
     for bad in (1.0, -0.1, True, "0.5", float("nan")):
         with pytest.raises(EngineError, match=r"draft_confidence must be a number in \[0, 1\)"):
             eng.make_request([5, 6], max_new_tokens=8, lossless=True, draft_confidence=bad)
+    with pytest.raises(EngineError, match="prompt_lookup applies to lossless requests only"):
+        eng.make_request([5, 6], max_new_tokens=8, prompt_lookup=2)
+    for bad in (-1, 5, True, 1.5):
+        with pytest.raises(EngineError, match=r"prompt_lookup must be an integer in \[0, 4\]"):
+            eng.make_request([5, 6], max_new_tokens=8, lossless=True, prompt_lookup=bad)
     with pytest.raises(EngineError, match="lossless must be true or false"):
         eng.make_request([5, 6], max_new_tokens=8, lossless="yes")
     shared = Engine(model, EngineConfig(kv_slots=200, policy="shared"))
@@ -327,17 +373,21 @@ def test_sampled_lossless_tokens_are_distributed_as_full_depth_sampling(tmp_path
         outs = eng.run()
         return torch.tensor([o.token_ids for o in outs]), outs
 
-    # drafting all K, and stopping a round after a draft sampled with probability < 0.3
-    for conf in (0.0, 0.3):
-        toks, outs = run(schedule=sched, lossless=True, draft_tokens=2, draft_confidence=conf)
+    # drafting all K; stopping a round after a draft sampled with probability < 0.3; and such
+    # an unsure draft giving way to prompt lookup (the prompt's tokens recur in the output)
+    for conf, lookup in ((0.0, 0), (0.3, 0), (0.3, 1)):
+        toks, outs = run(schedule=sched, lossless=True, draft_tokens=2, draft_confidence=conf, prompt_lookup=lookup)
         drafted = sum(o.draft.drafted for o in outs)
         accepted = sum(o.draft.accepted for o in outs)
         assert 0.1 * drafted < accepted < 0.9 * drafted, "both the acceptance and the residual paths ran often"
         if conf:
             assert drafted < 2 * sum(o.draft.rounds for o in outs), "some rounds stopped drafting early"
+        looked, took = sum(o.draft.lookup_drafted for o in outs), sum(o.draft.lookup_accepted for o in outs)
+        assert (0 < took < looked) if lookup else looked == 0, (looked, took)
         for j, m in ((1, m1), (2, m2)):
             counts = torch.bincount(toks[:, j], minlength=V)
-            assert _chi2_p(counts, m) > FALSE_ALARM, f"token {j} is not distributed as full depth's (c={conf})"
+            assert _chi2_p(counts, m) > FALSE_ALARM, \
+                f"token {j} is not distributed as full depth's (c={conf}, lookup={lookup})"
 
     plain, _ = run(schedule=sched)
     assert min(_chi2_p(torch.bincount(plain[:, j], minlength=V), m) for j, m in ((1, m1), (2, m2))) < FALSE_ALARM

@@ -112,14 +112,17 @@ def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage
     c = client(server)
     prompt = "Describe a pub by the river."
     want = llm.generate(prompt, max_new_tokens=16, chat=False)[0]  # full depth
-    for sp, k, conf in ((2, 1, 0.0), (2.5, 4, 0.5), (3, 8, 0.0)):
+    for sp, k, conf, lookup in ((2, 1, 0.0, None), (2.5, 4, 0.5, 2), (3, 8, 0.0, None)):
         r = c.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
                                  extra_body={"speedup": sp, "lossless": True, "draft_tokens": k, "trace": True,
-                                             "draft_confidence": conf})
+                                             "draft_confidence": conf, "prompt_lookup": lookup})
         assert r.choices[0].text == want.text
         assert r.choices[0].model_extra["token_ids"] == want.token_ids
         u = r.usage.model_extra
         assert u["drafted_tokens"] >= u["accepted_tokens"] >= 0 and u["drafted_tokens"] > 0
+        assert u["lookup_drafted_tokens"] >= u["lookup_accepted_tokens"] >= 0
+        if lookup is None:
+            assert u["lookup_drafted_tokens"] == 0
         assert u["draft_layers"] > 0 and u["verify_layers"] >= 6 * 15
         assert u["layer_work_vs_full_depth"] == pytest.approx((u["draft_layers"] + u["verify_layers"]) / (6 * 15),
                                                               abs=1e-4)
@@ -147,6 +150,9 @@ def test_lossless_streams_only_verified_tokens_and_reports_its_drafting_in_usage
         c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body={"draft_tokens": 3})
     for body in ({"draft_confidence": 0.5}, {"lossless": True, "draft_confidence": 1.0}):
         with pytest.raises(openai.BadRequestError, match="draft_confidence"):
+            c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body=body)
+    for body in ({"prompt_lookup": 2}, {"lossless": True, "prompt_lookup": 7}):
+        with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
             c.completions.create(model=NAME, prompt=prompt, max_tokens=4, extra_body=body)
 
 

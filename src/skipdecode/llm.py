@@ -198,13 +198,16 @@ class LLM:
         draft_tokens: int | None = None,
         adaptive: bool | float | None = None,
         draft_confidence: float | None = None,
+        prompt_lookup: int | None = None,
     ) -> list[Completion]:
         """Generate for one or many prompts in one batch (on the engine: every
         prompt admitted at once, each leaving when done); see ``Completion``.
         ``on_text(row, delta)`` streams each row's text. ``lossless``: the
         schedule drafts ``draft_tokens`` per round and full depth verifies them,
         so the output is full depth's (greedy: the same tokens); a round stops
-        drafting early after a draft below ``draft_confidence``. ``adaptive``: each
+        drafting early after a draft below ``draft_confidence``; ``prompt_lookup=n``
+        also drafts, at no layer cost, what followed the last ``n`` or more tokens
+        where they occurred before (``policies.lookup``). ``adaptive``: each
         prompt steps down its schedule only on confident tokens (``policies.adaptive``);
         ``True`` takes the threshold the checkpoint calibrated for ``speedup``, a number
         is the threshold itself on the ``speedup`` schedule."""
@@ -224,7 +227,7 @@ class LLM:
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
             tokenizer=self.tokenizer, stop=stop,
             on_text=on_text, lossless=lossless, draft_tokens=draft_tokens, adaptive_threshold=threshold,
-            draft_confidence=draft_confidence,
+            draft_confidence=draft_confidence, prompt_lookup=prompt_lookup,
         )
         return [Completion(p, r.text, pid, r.token_ids, r.active_layers, len(r.token_ids), r.finish_reason,
                            r.decode_layer_speedup, r.seconds, r.draft)
@@ -242,7 +245,8 @@ class LLM:
                 stop: str | Sequence[str] = (), chat: bool | None = None, system: str | None = None,
                 ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
                 draft_tokens: int | None = None, logprobs: int | None = None,
-                adaptive: bool | float | None = None, draft_confidence: float | None = None) -> Request:
+                adaptive: bool | float | None = None, draft_confidence: float | None = None,
+                prompt_lookup: int | None = None) -> Request:
         """A validated engine request from text (or token ids) and the options of ``generate``."""
         if isinstance(schedule, dict):
             schedule = SkipSchedule.from_dict(schedule, self.num_layers)
@@ -252,7 +256,7 @@ class LLM:
         ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat, system)
         return engine.make_request(ids, sched, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed),
                                    stop, ignore_eos, request_id, lossless, draft_tokens, logprobs, threshold,
-                                   draft_confidence)
+                                   draft_confidence, prompt_lookup)
 
     def replay(self, requests: Sequence[dict], config: EngineConfig | None = None) -> list[dict]:
         """Deterministic replay: request ``r`` (the keyword arguments of ``request``

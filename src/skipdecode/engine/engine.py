@@ -40,6 +40,7 @@ from typing import AsyncIterator, Sequence
 import torch
 
 from ..model import Transformer
+from ..policies.lookup import MAX_NGRAM, lookup_drafts
 from ..schedule import SkipSchedule
 from .kv_cache import KVPool, layer_needs
 from .prefix_cache import PrefixCache
@@ -101,7 +102,8 @@ class Engine:
                      stop: str | Sequence[str] | None = (),
                      ignore_eos: bool = False, request_id: str | None = None, lossless: bool = False,
                      draft_tokens: int | None = None, logprobs: int | None = None,
-                     adaptive_threshold: float | None = None, draft_confidence: float | None = None) -> Request:
+                     adaptive_threshold: float | None = None, draft_confidence: float | None = None,
+                     prompt_lookup: int | None = None) -> Request:
         """A validated request (raises ``EngineError`` saying what is wrong)."""
         L = self.num_layers
         schedule = schedule or SkipSchedule.full_depth(L)
@@ -150,6 +152,14 @@ class Engine:
         if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
                 or not 0.0 <= draft_confidence < 1.0:
             raise EngineError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
+        if prompt_lookup is None:
+            prompt_lookup = Request.prompt_lookup
+        elif not lossless:
+            raise EngineError("prompt_lookup applies to lossless requests only: add lossless=True or drop it")
+        if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) \
+                or not 0 <= prompt_lookup <= MAX_NGRAM:
+            raise EngineError(f"prompt_lookup must be an integer in [0, {MAX_NGRAM}] (the shortest n-gram "
+                              f"matched; 0 = off), got {prompt_lookup!r}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise EngineError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
@@ -165,7 +175,8 @@ class Engine:
                 raise EngineError(str(e)) from None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, tuple(ids), schedule, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos,
-                       lossless, draft_tokens, logprobs, adaptive_threshold, float(draft_confidence))
+                       lossless, draft_tokens, logprobs, adaptive_threshold, float(draft_confidence),
+                       prompt_lookup)
 
     def add(self, request: Request) -> RequestState:
         if request.request_id in self.requests:
@@ -282,7 +293,7 @@ class Engine:
         ``draft_batch_limit``, the round has no drafts: the request's next step
         is a plain full-depth decode row (a verified position, like 1x)."""
         room = st.request.max_new_tokens - len(st.token_ids) - 1  # a round yields up to drafts + 1 tokens
-        st.drafts, st.draft_probs, st.draft_budgets = [], [], []
+        st.drafts, st.draft_probs, st.draft_budgets, st.lookup_drafts = [], [], [], 0
         busy = len(self.scheduler.running) > self.config.draft_batch_limit
         st.round_size = 0 if busy else max(0, min(st.request.draft_tokens, room))
         st.verifying = False
@@ -311,12 +322,44 @@ class Engine:
         """Append a draft; the round goes to verification at its size, after an
         end-of-sequence draft, or after a draft below the request's
         ``draft_confidence`` (a choice made from the draft pass alone, so
-        verification stays exact: greedy or sampled, every kept token is full depth's)."""
+        verification stays exact: greedy or sampled, every kept token is full depth's).
+
+        With ``prompt_lookup``, a draft below ``draft_confidence`` gives way to what
+        followed the tokens before it where they occurred earlier in the prompt or
+        output (``policies.lookup``: copied names and spans, the drafts a skipped
+        pass gets wrong), and the round is verified. Exact for sampled requests
+        too: where a lookup exists, the proposal here is the skip pass's draw if it
+        is sure, the lookup token otherwise, so it is distributed as q with the
+        unsure mass moved onto the lookup token, and the acceptance rule uses that;
+        the later lookup drafts are certain given it (one-hot)."""
+        c = st.request.draft_confidence
+        unsure = confidence < c
+        found: list[int] = []
+        if st.request.prompt_lookup and (unsure or q is not None):
+            found = lookup_drafts([*st.request.prompt_token_ids, *st.token_ids, *st.drafts],
+                                  st.request.prompt_lookup, st.round_size - len(st.drafts))
+            if found and q is not None:  # the distribution this position's proposal is drawn from
+                low = q < c
+                mass = float(q[low].sum())
+                q = torch.where(low, torch.zeros_like(q), q)
+                q[found[0]] += mass
+        if found and unsure:
+            st.spec.draft_layers += st.draft_budgets.pop()  # the unsure draft's pass ran; its draft gives way
+            for j, t in enumerate(found):
+                st.drafts.append(t)
+                if q is not None:
+                    st.draft_probs.append(q if j == 0 else torch.nn.functional.one_hot(
+                        torch.tensor(t), q.numel()).to(q.dtype))
+                st.lookup_drafts += 1
+                if t in self.eos and not st.request.ignore_eos:
+                    break
+            st.verifying = True
+            return
         st.drafts.append(tok)
         if q is not None:
             st.draft_probs.append(q)
         eos = tok in self.eos and not st.request.ignore_eos  # nothing to draft past an end
-        st.verifying = eos or len(st.drafts) >= st.round_size or confidence < st.request.draft_confidence
+        st.verifying = eos or len(st.drafts) >= st.round_size or unsure
 
     def _verify(self, st: RequestState, full: torch.Tensor, now: float) -> RequestOutput:
         """Accept drafts against full depth's logits ``(drafts + 1, vocab)``, append
@@ -354,10 +397,13 @@ class Engine:
         first = len(st.token_ids)  # generated position of the first draft
         # the drafts full depth judged: those it accepted and the first it rejected (later ones never count)
         spec.acceptance += [(first + j, b, j < m) for j, b in enumerate(st.draft_budgets[:min(m + 1, k)])]
+        skipped = k - st.lookup_drafts  # a round's lookup drafts follow its skipped-pass drafts
+        spec.lookup_drafted += st.lookup_drafts
+        spec.lookup_accepted += max(0, m - skipped)
         self.counters["drafted_tokens"] += k
         self.counters["accepted_tokens"] += m
         self.counters["verify_rounds"] += 1
-        st.drafts, st.draft_probs, st.draft_budgets, st.verifying = [], [], [], False
+        st.drafts, st.draft_probs, st.draft_budgets, st.verifying, st.lookup_drafts = [], [], [], False, 0
         out = None
         for j, tok in enumerate(new):
             st.budgets.append(L)  # the position fed before this token is verified at every layer

@@ -82,6 +82,8 @@ class Request:
     adaptive_threshold: float | None = None
     # lossless: end a round's drafting after a draft of lower probability than this (0 = never early)
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
+    # lossless: draft by prompt lookup (no layers) once the last >= this many tokens occurred earlier (0 = off)
+    prompt_lookup: int = 0
 
     @property
     def kv_schedule(self) -> SkipSchedule:
@@ -131,6 +133,7 @@ class RequestState:
     draft_budgets: list[int] = field(default_factory=list)  # budget each draft's input ran at, this round
     round_size: int = 0  # drafts this round aims for (fewer if a draft is EOS)
     verifying: bool = False  # the round's drafts are done: the next step verifies them
+    lookup_drafts: int = 0  # of the round's drafts, those taken by prompt lookup (they come last)
     draft_extra: object | None = None  # token ids beyond the draft vocabulary its drafts score (its prompt's)
     spec: "DraftStats | None" = None
     logprobs: list["TokenLogprob"] = field(default_factory=list)  # per generated token, when asked for
@@ -183,12 +186,15 @@ class DraftStats:
     draft_layers: int = 0  # layers run by the drafting passes
     verify_layers: int = 0  # layers run by the verifying passes (every position at full depth)
     acceptance: list[tuple[int, int, bool]] = field(default_factory=list)
+    lookup_drafted: int = 0  # drafts taken by prompt lookup (no layers run), of ``drafted``
+    lookup_accepted: int = 0  # of ``accepted``
 
     def to_dict(self, num_layers: int, fed: int) -> dict:
         """Totals and the layer work against full depth (``fed`` positions at ``num_layers`` each)."""
         work = self.draft_layers + self.verify_layers
         return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted, "rounds": self.rounds,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "lookup_drafted_tokens": self.lookup_drafted, "lookup_accepted_tokens": self.lookup_accepted,
                 "draft_layers": self.draft_layers, "verify_layers": self.verify_layers,
                 "layer_work_vs_full_depth": round(work / (num_layers * fed), 4) if fed else None}
 

@@ -449,6 +449,7 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                               top_p=None if body.top_p >= 1 else body.top_p, seed=body.seed, stop=body.stop or [],
                               request_id=f"{uuid.uuid4().hex}", lossless=body.lossless,
                               draft_tokens=body.draft_tokens, draft_confidence=body.draft_confidence,
+                              prompt_lookup=body.prompt_lookup,
                               logprobs=body.top_logprobs_count,
                               adaptive=body.adaptive)
             eng.scheduler.check_capacity(req)  # the rest is checked by the engine thread

@@ -4,8 +4,9 @@ Standard fields follow OpenAI's API (defaults included: ``temperature`` 1,
 ``max_tokens`` 16 for completions). Skip controls ride as extra body fields,
 the way vLLM takes ``top_k``: ``speedup`` or ``schedule`` (the fields of
 ``SkipSchedule``), ``mode``, ``trace`` (token ids and the layers each
-token ran, per choice), ``lossless`` with ``draft_tokens`` and ``draft_confidence`` (the schedule
-drafts, full depth verifies; streams carry verified tokens only), and
+token ran, per choice), ``lossless`` with ``draft_tokens``,
+``draft_confidence`` and ``prompt_lookup`` (the schedule drafts, full depth
+verifies; streams carry verified tokens only), and
 ``adaptive`` (``true``: the model's calibrated threshold for ``speedup``; a
 number in [0, 1]: step down the schedule only after tokens that sure).
 
@@ -79,6 +80,7 @@ class _Sampling(BaseModel):
     lossless: bool = False  # the schedule drafts, full depth verifies: full depth's output
     draft_tokens: int | None = Field(None, ge=1, le=16)
     draft_confidence: float | None = Field(None, ge=0.0, lt=1.0)  # stop drafting after a less sure draft
+    prompt_lookup: int | None = Field(None, ge=0, le=4)  # unsure drafts give way to prompt lookup (policies.lookup)
     adaptive: StrictBool | float | None = None  # step down only after confident tokens (policies.adaptive)
 
     @field_validator("temperature", "top_p", "speedup", "presence_penalty", "frequency_penalty")
@@ -112,6 +114,8 @@ class _Sampling(BaseModel):
             raise ValueError("draft_tokens: applies to lossless requests only (add \"lossless\": true)")
         if self.draft_confidence is not None and not self.lossless:
             raise ValueError("draft_confidence: applies to lossless requests only (add \"lossless\": true)")
+        if self.prompt_lookup is not None and not self.lossless:
+            raise ValueError("prompt_lookup: applies to lossless requests only (add \"lossless\": true)")
         a = self.adaptive
         if a is not None and not isinstance(a, bool) and not (math.isfinite(a) and 0 <= a <= 1):
             raise ValueError("adaptive: true, false or a top-1 probability threshold in [0, 1]")
