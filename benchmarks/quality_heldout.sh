@@ -46,6 +46,7 @@ for x in 2 3 5; do
   train heldout-drop-${x}x recipes/default-e2e.yaml --model runs/heldout-drop-${x}x-base --speedups 1
   ev drop-${x}x runs/heldout-drop-${x}x --speedups 1
 done
-# the 0.5B model with the shipped recipe (benchmarks/ship_qwen05b_e2e.sh)
+# the 0.5B model with the shipped recipe (benchmarks/ship_qwen05b_e2e.sh), and its base untrained at 1x
 [ -f $R/eval-report-qwen2.5-coder-0.5b-e2e.json ] || benchmarks/ship_qwen05b_e2e.sh
+ev qwen2.5-coder-0.5b-untrained qwen2.5-coder-0.5b --speedups 1
 $BIN/skipdecode bench --quality

@@ -67,6 +67,8 @@ def heldout_rows() -> list[HeldoutRow]:
         HeldoutRow(EARLY_EXIT, "early-exit", "runs/heldout-early-exit"),
         HeldoutRow(STATIC_DROP, "drop", "runs/heldout-drop", targets=(2.0, 3.0, 5.0), static=True),
         HeldoutRow(SHIPPED_05B, "qwen2.5-coder-0.5b-e2e", "qwen2.5-coder-0.5b-e2e", base="qwen2.5-coder-0.5b"),
+        HeldoutRow("qwen2.5-coder-0.5b untrained", "qwen2.5-coder-0.5b-untrained", "qwen2.5-coder-0.5b",
+                   base="qwen2.5-coder-0.5b", targets=(1.0,)),
     ]
 
 
