@@ -82,7 +82,7 @@ class Request:
     adaptive_threshold: float | None = None
     # lossless: end a round's drafting after a draft of lower probability than this (0 = never early)
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
-    # lossless: draft by prompt lookup (no layers) once the last >= this many tokens occurred earlier (0 = off)
+    # lossless: an unsure draft gives way to prompt lookup on the last >= this many tokens (0 = off)
     prompt_lookup: int = 0
 
     @property

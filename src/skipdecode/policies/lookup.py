@@ -1,12 +1,12 @@
 """Prompt lookup: drafts that cost no layer at all, for lossless requests.
 
-Where the output copies its input (a restaurant's name, an attribute's value,
-a quoted span), the tokens after the last few generated ones are often the
-tokens that followed the same few tokens earlier in the prompt (Saxena 2023,
-"prompt lookup decoding"; transformers' ``prompt_lookup_num_tokens``, vLLM's
-n-gram proposer). Those are exactly the positions a skipped pass drafts worst
-(names garbled once the budget has dropped), and a lookup drafts them for free:
-full depth verifies them like any draft, so the output stays full depth's.
+Where the output copies its input (a quoted phrase, a term from an abstract,
+a name), the tokens after the last few generated ones are often the tokens
+that followed the same few tokens earlier in the prompt (Saxena 2023, "prompt
+lookup decoding"; transformers' ``prompt_lookup_num_tokens``, vLLM's n-gram
+proposer). A skipped pass that is unsure of its draft, on inputs unlike its
+training data, is often wrong there, and a lookup drafts for free: full depth
+verifies it like any draft, so the output stays full depth's.
 
 Torch-free: the engine calls :func:`lookup_drafts` with the request's prompt,
 its verified tokens and the round's drafts so far.
