@@ -21,29 +21,11 @@ from pathlib import Path
 from .. import atomic
 from ..llm import LLM
 from .decode import machine_info
+from .lossless import batch1
 
 RESULTS = Path("benchmarks/results")
 TASKS = {"e2e-names": "E2E, held-out restaurant names (paraphrases its input)",
          "scitldr": "SciTLDR, one-sentence summaries of abstracts (copies from its input)"}
-
-
-def batch1(llm: LLM, ids: list[list[int]], max_new_tokens: int, repeats: int, **kw) -> dict:
-    """Each prompt alone on the engine: decode tokens/s over all prompts, and the outputs."""
-    decode_s, tokens, outs = 0.0, 0, []
-    for x in ids:
-        best = None
-        for _ in range(repeats):
-            eng = llm.engine()
-            eng.add(llm.request(eng, x, max_new_tokens=max_new_tokens, **kw))
-            (o,) = eng.run()
-            t = o.finish_time - o.first_token_time
-            if best is None or t < best[0]:
-                best = (t, o)
-        decode_s += best[0]
-        tokens += len(best[1].token_ids) - 1
-        outs.append(best[1])
-    return {"decode_tokens": tokens, "decode_seconds": round(decode_s, 3),
-            "decode_tokens_per_s": round(tokens / decode_s, 2), "outs": outs}
 
 
 def run_lookup_bench(model: str = "default-e2e", out_dir: str | os.PathLike = RESULTS,
