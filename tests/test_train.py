@@ -292,7 +292,9 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
     assert all(c[k].dtype == a[k].dtype for k in a) and off < moved / 100, (off, moved)
 
 
-def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_it(tmp_path, tiny_text, e2e_csv):
+def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_it(tmp_path, tiny_text, e2e_csv,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))  # its merge stays out of the user's cache
     from skipdecode import LLM
     from skipdecode.policies.importance import answer_influence, nested_order
 
@@ -319,7 +321,8 @@ def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_i
     assert done.active_layers[1] == sched.layers(1)
 
 
-def test_lora_norms_train_the_norm_weights_and_load_back_exactly(tmp_path, tiny_text, e2e_csv):
+def test_lora_norms_train_the_norm_weights_and_load_back_exactly(tmp_path, tiny_text, e2e_csv, monkeypatch):
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))  # its merge stays out of the user's cache
     from peft import PeftModel
 
     out = tmp_path / "lora-norms"

