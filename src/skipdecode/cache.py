@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic
-from .checkpoint import cache_dir
+from .checkpoint import DEFAULT_CONVERTED, MERGED, cache_dir
 from .errors import SkipDecodeError
-
-DEFAULT_CONVERTED = "smollm2-135m-instruct"
 
 
 class CacheError(SkipDecodeError):
@@ -33,24 +31,26 @@ class CacheEntry:
 
     @property
     def merged(self) -> bool:
-        return "-merged-" in self.name
+        return MERGED in self.name
 
 
 def kind_of(name: str) -> str:
-    """What an entry of the cache is, from its name (``checkpoint.resolve`` and ``pull`` name them)."""
-    from .pull import PULLABLE
+    """What an entry of the cache is, from the name its writer gave it."""
+    from .bench.llamacpp import GGUF_CACHE
+    from .dispatch import autotune_file
+    from .pull import PULLABLE, pulled_dir
 
-    if name == "autotune.json":
+    if name == autotune_file().name:
         return "kernel autotuning"
-    if name == "pulled":
+    if name == pulled_dir().name:
         return "downloaded parts of pulled models"
-    if name == "llamacpp":
+    if name == GGUF_CACHE:
         return "llama.cpp GGUFs (bench --llamacpp)"
     if name in PULLABLE:
         return "pulled model, converted"
     if name == DEFAULT_CONVERTED:
         return "the embedded default, converted"
-    if "-merged-" in name:
+    if MERGED in name:
         return "LoRA adapter merged into its base"
     return "converted GGUF"
 

@@ -78,6 +78,10 @@ def stage_bar(desc: str, stages: int):
                 bar_format="{desc}: {n}/{total} {bar} {elapsed}")
 
 
+DEFAULT_CONVERTED = "smollm2-135m-instruct"  # the embedded default's conversion in the cache
+MERGED = "-merged-"  # in the cache name of a LoRA adapter merged into its base: NAME-merged-KEY
+
+
 def _file_key(*files: Path) -> str:
     """A cache key from where the files are and when they changed (cheap for large GGUFs)."""
     h = hashlib.sha1()
@@ -105,7 +109,7 @@ def resolve(model: str | os.PathLike) -> Path:
     from .pull import PULLABLE, resolve_pulled
 
     if str(model) == DEFAULT_MODEL:
-        return convert_gguf(default_gguf_path(), cache_dir() / "smollm2-135m-instruct")
+        return convert_gguf(default_gguf_path(), cache_dir() / DEFAULT_CONVERTED)
     if str(model) in PULLABLE:
         return resolve_pulled(str(model))
     if str(model) in SHIPPED_MODELS:
@@ -128,7 +132,7 @@ def resolve(model: str | os.PathLike) -> Path:
             raise ModelError(f"{p} has adapter_config.json but no adapter_model.safetensors: "
                              "copy the whole adapter directory (peft's save_pretrained writes both)")
         meta = [p / "skipdecode.json"] if (p / "skipdecode.json").is_file() else []  # its schedules, thresholds
-        return merge_adapter(p, cache_dir() / f"{p.name}-merged-{_content_key(*files, *meta)}")
+        return merge_adapter(p, cache_dir() / f"{p.name}{MERGED}{_content_key(*files, *meta)}")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise ModelError(f"{p} is not a Hugging Face model directory (no config.json) nor a .gguf file")
     return p

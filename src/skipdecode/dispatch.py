@@ -179,7 +179,7 @@ def _machine_key(kernel_module) -> str:
             f"threads {torch.get_num_threads()}")
 
 
-def _cache_file() -> Path:
+def autotune_file() -> Path:
     from .checkpoint import cache_dir
 
     return cache_dir() / "autotune.json"
@@ -195,7 +195,7 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
     shape = f"{out_features}x{in_features}" + ("" if weights == "float32" else f" {weights}")
     if (key, shape) in _TUNED:
         return _TUNED[(key, shape)]
-    path = _cache_file()
+    path = autotune_file()
     fs = forms(weights)
 
     def cached() -> tuple[dict, dict | None]:

@@ -37,6 +37,7 @@ from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, writ
 # also quantize activations to 8 bits in blocks of 32 for their dot products, as w8a8 and w4a8 do)
 PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0", "w4a8": "q4_0"}
 LLAMACPP_VENV = ".venv-llamacpp"
+GGUF_CACHE = "llamacpp"  # the GGUFs this bench makes live in $SKIPDECODE_CACHE/llamacpp/<model>
 
 
 class LlamaCppMissing(SkipDecodeError):
@@ -73,7 +74,7 @@ def make_ggufs(model_dir: Path, types: list[str], venv: str | os.PathLike = LLAM
     """GGUFs of ``model_dir`` in each llama.cpp type, made once with llama.cpp's own converter and
     quantizer and cached beside the model's other conversions."""
     p = llamacpp_paths(venv)
-    out = Path(cache or cache_dir()) / "llamacpp" / Path(model_dir).resolve().name
+    out = Path(cache or cache_dir()) / GGUF_CACHE / Path(model_dir).resolve().name
     out.mkdir(parents=True, exist_ok=True)
     f32 = out / "f32.gguf"
     if not f32.is_file():
