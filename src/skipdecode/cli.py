@@ -76,12 +76,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if bool(a.requests) == bool(a.prompt):
         raise EngineError("give prompts or --requests FILE.jsonl, not both (nor neither)")
-    if a.draft_tokens is not None and not a.lossless:
-        raise EngineError("--draft-tokens applies to --lossless generation only: add --lossless or drop it")
-    if a.draft_confidence is not None and not a.lossless:
-        raise EngineError("--draft-confidence applies to --lossless generation only: add --lossless or drop it")
-    if a.prompt_lookup is not None and not a.lossless:
-        raise EngineError("--prompt-lookup applies to --lossless generation only: add --lossless or drop it")
+    for flag, value in (("--draft-tokens", a.draft_tokens), ("--draft-confidence", a.draft_confidence),
+                        ("--prompt-lookup", a.prompt_lookup)):
+        if value is not None and not a.lossless:
+            raise EngineError(f"{flag} applies to --lossless generation only: add --lossless or drop it")
     if a.requests:
         reqs = read_requests(a.requests, a.max_new_tokens)
         llm = LLM.load(a.model, dtype=a.dtype)

@@ -60,6 +60,16 @@ class EngineConfig(SchedulerConfig):
     draft_batch_limit: int = 4
 
 
+def _lossless_option(name: str, value, lossless: bool):
+    """A lossless-only request option: ``Request``'s default when not given, an error when
+    given to a request that is not lossless."""
+    if value is None:
+        return getattr(Request, name)
+    if not lossless:
+        raise EngineError(f"{name} applies to lossless requests only: add lossless=True or drop it")
+    return value
+
+
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None, *, tokenizer=None,
                  eos_token_ids: Sequence[int] = ()):
@@ -138,24 +148,15 @@ class Engine:
             raise EngineError("stop strings need a tokenizer; this engine has none")
         if not isinstance(lossless, bool):
             raise EngineError(f"lossless must be true or false, got {lossless!r}")
-        if draft_tokens is None:
-            draft_tokens = Request.draft_tokens
-        elif not lossless:
-            raise EngineError("draft_tokens applies to lossless requests only: add lossless=True or drop it")
+        draft_tokens = _lossless_option("draft_tokens", draft_tokens, lossless)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) \
                 or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise EngineError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
-        if draft_confidence is None:
-            draft_confidence = Request.draft_confidence
-        elif not lossless:
-            raise EngineError("draft_confidence applies to lossless requests only: add lossless=True or drop it")
+        draft_confidence = _lossless_option("draft_confidence", draft_confidence, lossless)
         if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)) \
                 or not 0.0 <= draft_confidence < 1.0:
             raise EngineError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
-        if prompt_lookup is None:
-            prompt_lookup = Request.prompt_lookup
-        elif not lossless:
-            raise EngineError("prompt_lookup applies to lossless requests only: add lossless=True or drop it")
+        prompt_lookup = _lossless_option("prompt_lookup", prompt_lookup, lossless)
         if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) \
                 or not 0 <= prompt_lookup <= MAX_NGRAM:
             raise EngineError(f"prompt_lookup must be an integer in [0, {MAX_NGRAM}] (the shortest n-gram "

@@ -110,12 +110,9 @@ class _Sampling(BaseModel):
             raise ValueError("presence_penalty/frequency_penalty: not supported (use 0)")
         if self.speedup is not None and self.schedule is not None:
             raise ValueError("speedup/schedule: give either a target speedup or a schedule, not both")
-        if self.draft_tokens is not None and not self.lossless:
-            raise ValueError("draft_tokens: applies to lossless requests only (add \"lossless\": true)")
-        if self.draft_confidence is not None and not self.lossless:
-            raise ValueError("draft_confidence: applies to lossless requests only (add \"lossless\": true)")
-        if self.prompt_lookup is not None and not self.lossless:
-            raise ValueError("prompt_lookup: applies to lossless requests only (add \"lossless\": true)")
+        for name in ("draft_tokens", "draft_confidence", "prompt_lookup"):
+            if getattr(self, name) is not None and not self.lossless:
+                raise ValueError(f"{name}: applies to lossless requests only (add \"lossless\": true)")
         a = self.adaptive
         if a is not None and not isinstance(a, bool) and not (math.isfinite(a) and 0 <= a <= 1):
             raise ValueError("adaptive: true, false or a top-1 probability threshold in [0, 1]")
