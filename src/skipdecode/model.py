@@ -283,6 +283,7 @@ class Block(nn.Module):
         self.kernels = None  # the compiled CPU kernels, set by Transformer.pack_for_inference
         self.fused_decode = False  # one kernel call per decode step, set by Transformer.pack_for_inference
         self.fuse_plan: tuple[bool, ...] = ()  # per row-count bucket: run the fused call (dispatch.fused_plan)
+        self._fused_args: tuple | None = None  # the fused call's fixed arguments, set with fused_decode (_fuse)
 
     def can_fuse_decode(self, packed: bool = True) -> bool:
         """Whether ``kernels.decode_block`` implements this layer: pre-norm
@@ -405,14 +406,24 @@ class Block(nn.Module):
         path starts pulling into the CPU caches."""
         if self.fused_decode and self.fuse_plan[dispatch.bucket(x.shape[0])]:
             # the same layer as one kernel call on the compiled kernels' panels (tests/test_kernels.py)
-            a, m = self.attn_norm, self.mlp_norm
+            weights, heads, scales = self._fused_args
             nk, nv = next_pool if next_pool is not None else (None, None)
-            return self.kernels.decode_block(
-                x, a.weight, m.weight, a.eps, self.wqkv.packed, self.wqkv.bias, self.wo.packed, self.wo.bias,
-                self.w13.packed, self.w13.bias, self.w2.packed, self.w2.bias, kpool, vpool, slots, rope[0],
-                rope[1], self.cfg.n_heads, self.cfg.head_dim ** -0.5, nk, nv, self.wqkv.panel_scales,
-                self.wo.panel_scales, self.w13.panel_scales, self.w2.panel_scales, self.wqkv.a8)
+            return self.kernels.decode_block(x, *weights, kpool, vpool, slots, rope[0], rope[1], *heads, nk, nv,
+                                             *scales)
         return self._residual(x, lambda h: self.attention_pool(h, rope, kpool, vpool, slots))
+
+    def _fuse(self) -> None:
+        """Set ``fused_decode`` and, when on, the fused call's fixed arguments. Gathered once:
+        a one-row decode step spends about as long in Python per layer (a dozen module
+        attribute lookups) as the kernel takes to read an int4 layer's weights."""
+        self.fused_decode = self.can_fuse_decode()
+        if not self.fused_decode:
+            self._fused_args = None
+            return
+        a, m, lin = self.attn_norm, self.mlp_norm, (self.wqkv, self.wo, self.w13, self.w2)
+        weights = (a.weight, m.weight, a.eps, *(t for w in lin for t in (w.packed, w.bias)))
+        self._fused_args = (weights, (self.cfg.n_heads, self.cfg.head_dim ** -0.5),
+                            (*(w.panel_scales for w in lin), self.wqkv.a8))
 
 
 class Transformer(nn.Module):
@@ -480,7 +491,7 @@ class Transformer(nn.Module):
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
         for block in self.layers:
-            block.fused_decode = block.can_fuse_decode()
+            block._fuse()
         self.kernels = k
         self.weights = weights
         return self

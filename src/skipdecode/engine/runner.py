@@ -57,18 +57,19 @@ class ModelRunner:
         # A row that runs layer l at this step ran it at every earlier step too
         # (budgets never increase; a lossless row's verified positions hold every
         # layer), so it holds prompt + steps-so-far + 1 slots there.
-        lens = positions + 1
-        starts = torch.tensor([st.reservation.starts for st, _, _ in rows])  # (R, L)
+        # slots[l, r] = (row r's first slot in layer l's pool, its length there), built in
+        # one op: each layer's rows are then a view, not a stack of their own
+        starts = torch.tensor([st.reservation.starts for st, _, _ in rows]).T  # (L, R)
+        slots = torch.stack([starts, (positions + 1).expand_as(starts)], 2)
         layer_rows: list[LayerRows | None] = []
         for l, (n, idx) in enumerate(plan.layers):
             if n == 0:
                 layer_rows.append(None)
             elif idx is None:
-                slots = torch.stack([starts[:n, l], lens[:n]], 1)
-                layer_rows.append(LayerRows(None if n == len(rows) else n, slots))
+                layer_rows.append(LayerRows(None if n == len(rows) else n, slots[l, :n]))
             else:
                 ix = torch.tensor(idx)
-                layer_rows.append(LayerRows(ix, torch.stack([starts[ix, l], lens[ix]], 1)))
+                layer_rows.append(LayerRows(ix, slots[l].index_select(0, ix)))
         drafts = [None] * (len(rows) - len(plan.decode)) + [st.draft_extra if st.round_size else None
                                                             for st in plan.decode]
         with dispatch.single_row_forms() if plan.verify else nullcontext():
