@@ -49,4 +49,7 @@ done
 # the 0.5B model with the shipped recipe (benchmarks/ship_qwen05b_e2e.sh), and its base untrained at 1x
 [ -f $R/eval-report-qwen2.5-coder-0.5b-e2e.json ] || benchmarks/ship_qwen05b_e2e.sh
 ev qwen2.5-coder-0.5b-untrained qwen2.5-coder-0.5b --speedups 1
+# the 0.5B model with a gentler recipe (lr 3e-4, 300 steps; recipes/qwen2.5-coder-0.5b-e2e-gentle.yaml)
+scored qwen2.5-coder-0.5b-e2e-gentle || train qwen2.5-coder-0.5b-e2e-gentle recipes/qwen2.5-coder-0.5b-e2e-gentle.yaml
+ev qwen2.5-coder-0.5b-e2e-gentle runs/qwen2.5-coder-0.5b-e2e-gentle --speedups 1,2,3,4,5
 $BIN/skipdecode bench --quality

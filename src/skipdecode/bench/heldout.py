@@ -69,6 +69,8 @@ def heldout_rows() -> list[HeldoutRow]:
         HeldoutRow(SHIPPED_05B, "qwen2.5-coder-0.5b-e2e", "qwen2.5-coder-0.5b-e2e", base="qwen2.5-coder-0.5b"),
         HeldoutRow("qwen2.5-coder-0.5b untrained", "qwen2.5-coder-0.5b-untrained", "qwen2.5-coder-0.5b",
                    base="qwen2.5-coder-0.5b", targets=(1.0,)),
+        HeldoutRow("qwen2.5-coder-0.5b, gentler recipe", "qwen2.5-coder-0.5b-e2e-gentle",
+                   "runs/qwen2.5-coder-0.5b-e2e-gentle", base="qwen2.5-coder-0.5b"),
     ]
 
 
