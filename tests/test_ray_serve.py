@@ -2,18 +2,21 @@
 its own engine behind the same routes. 40 concurrent requests get the text a
 single server gives and are spread over both replicas; a replica killed
 mid-run is restarted by Ray and requests keep succeeding, while requests on
-the other replica are unaffected."""
+the other replica are unaffected; replicas whose model cannot load end the
+command with exit code 1 and the reason, instead of restarting forever."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from _server_helpers import Server
+from _server_helpers import Server, free_port
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
@@ -145,3 +148,21 @@ def test_the_health_check_fails_once_the_replicas_engine_loop_dies(chat_model_di
         tc.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
         with pytest.raises(RuntimeError, match="engine loop not alive.*simulated kernel failure"):
             check_replica(state)
+
+
+def test_replicas_whose_model_fails_to_load_end_serve_with_exit_1_and_the_reason(chat_model_dir, tmp_path):  # noqa: F811
+    """The model loads inside each replica, so a broken weights file surfaces only
+    there: its start fails, Ray gives up after its retries (one here, to keep the
+    test short) and the command says why."""
+    import shutil
+
+    bad = tmp_path / "broken"
+    shutil.copytree(chat_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT="1")
+    r = subprocess.run([sys.executable, "-m", "skipdecode.cli", "serve", "--model", str(bad), "--ray",
+                        "--replica-cpus", "1", "--host", "127.0.0.1", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-4000:]
+    line = next((x for x in r.stderr.splitlines() if x.startswith("skipdecode: error: the Ray Serve replicas")), "")
+    assert "failed to load" in line and "model.safetensors" in line, r.stderr[-4000:]

@@ -255,9 +255,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             autoscale = (lo, hi)
         if a.num_replicas < 1 or a.replica_cpus <= 0:
             raise EngineError("--num-replicas must be >= 1 and --replica-cpus > 0")
-        serve_on_ray(cfg, host=a.host, port=a.port, ray_address=a.ray_address, num_replicas=a.num_replicas,
-                     autoscale=autoscale, replica_cpus=a.replica_cpus)
-        return 0
+        return serve_on_ray(cfg, host=a.host, port=a.port, ray_address=a.ray_address, num_replicas=a.num_replicas,
+                            autoscale=autoscale, replica_cpus=a.replica_cpus)
     if a.chat_template is not None:
         from .server.app import read_chat_template
 

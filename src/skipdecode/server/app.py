@@ -323,10 +323,11 @@ def build_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI:
                 log.info(line)
 
     async def lifespan(app: FastAPI):
-        t = threading.Thread(target=state.load, name="skipdecode-load", daemon=True)
-        t.start()
-        if not load_in_background:
-            await asyncio.to_thread(t.join)
+        if state.llm is None and state.load_error is None:  # not loaded by the caller (a Ray replica loads first)
+            t = threading.Thread(target=state.load, name="skipdecode-load", daemon=True)
+            t.start()
+            if not load_in_background:
+                await asyncio.to_thread(t.join)
         stats = asyncio.ensure_future(stats_loop()) if config.stats_interval > 0 else None
         yield
         if stats is not None:

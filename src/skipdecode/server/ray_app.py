@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 from .app import ServerConfig, build_app
@@ -42,6 +43,21 @@ class _ReplicaHeaders:
         return await self.app(scope, receive, send_with_header)
 
 
+class ReplicaLoadError(RuntimeError):
+    """A replica could not load its model: Ray counts it as a failed start and,
+    after its retries, marks the deployment failed."""
+
+
+def replica_failure(message: str) -> str:
+    """The line that says why, out of Ray's deployment-failure message (which
+    carries the replica's traceback): our ``ReplicaLoadError`` if present."""
+    lines = [x.strip() for x in message.splitlines() if x.strip()]
+    ours = [x for x in lines if "ReplicaLoadError:" in x]
+    if ours:
+        return ours[-1].split("ReplicaLoadError:", 1)[1].strip()
+    return lines[-1] if lines else message
+
+
 def check_replica(state) -> None:
     """Ray's health check of one replica (a ``ServerState``): raising marks it
     unhealthy and Ray replaces it."""
@@ -63,7 +79,12 @@ def deployment(config: ServerConfig, num_replicas: int | None = 1, autoscale: tu
         torch.set_num_threads(threads)
         ctx = serve.get_replica_context()
         rid = getattr(getattr(ctx, "replica_id", None), "unique_id", None) or getattr(ctx, "replica_tag", "?")
-        return _ReplicaHeaders(build_app(config, load_in_background=False), str(rid))
+        app = build_app(config, load_in_background=False)
+        state = app.state.skipdecode
+        state.load()  # here, not in the app's start-up, so a failure fails the replica's start with its reason
+        if state.load_error is not None:
+            raise ReplicaLoadError(f"the model {config.model!r} failed to load: {state.load_error}")
+        return _ReplicaHeaders(app, str(rid))
 
     opts = dict(ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2, health_check_timeout_s=30,
                 max_ongoing_requests=config.engine.max_num_seqs + config.max_queue,
@@ -87,21 +108,36 @@ def deployment(config: ServerConfig, num_replicas: int | None = 1, autoscale: tu
 
 def serve_on_ray(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
                  num_replicas: int | None = 1, autoscale: tuple[int, int] | None = None,
-                 replica_cpus: float = 1.0) -> None:
+                 replica_cpus: float = 1.0) -> int:
     """Start (or join, with ``ray_address``) a Ray cluster, deploy the replicas
     behind Ray Serve's HTTP proxy on ``host:port``, and serve until SIGTERM or
-    SIGINT; then shut Serve down and exit 0."""
+    SIGINT; then shut Serve down and return 0. A deployment whose replicas
+    cannot start (a model that fails to load) returns 1 with the reason."""
     import ray
     from ray import serve
 
     if ray_address:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(include_dashboard=False, _node_ip_address=host if host in ("127.0.0.1", "localhost") else None,
+        # "local": a cluster of our own, never one that another process on this machine started
+        ray.init(address="local", include_dashboard=False, _node_ip_address=host if host in ("127.0.0.1", "localhost") else None,
                  log_to_driver=False)
     serve.start(http_options={"host": host, "port": port}, detached=False)
-    serve.run(deployment(config, num_replicas, autoscale, replica_cpus), name="skipdecode", route_prefix="/",
-              blocking=False)
+    try:
+        serve.run(deployment(config, num_replicas, autoscale, replica_cpus), name="skipdecode", route_prefix="/",
+                  blocking=False)
+    except RuntimeError as e:  # Ray gave up after its retries: the deployment failed to start
+        why = str(e)
+        try:  # the deployment's status message carries the replica's exception
+            app = serve.status().applications.get("skipdecode")
+            why = "\n".join([why] + [d.message for d in (app.deployments.values() if app else ()) if d.message])
+        except Exception:  # noqa: BLE001 - the status is a nicety; the exception's text is enough
+            pass
+        print(f"skipdecode: error: the Ray Serve replicas failed to start: {replica_failure(why)}",
+              file=sys.stderr, flush=True)
+        serve.shutdown()
+        ray.shutdown()
+        return 1
     print(f"skipdecode: serving on http://{host}:{port} through Ray Serve", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -109,3 +145,4 @@ def serve_on_ray(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000
     stop.wait()
     serve.shutdown()
     ray.shutdown()
+    return 0
