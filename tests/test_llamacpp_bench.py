@@ -76,5 +76,6 @@ def test_llamacpp_f32_decodes_the_same_greedy_tokens_as_skipdecode(default_llm, 
     got = llamacpp.run_llamacpp(paths, ggufs["f32"], ids, [1, 2], 16, 1, torch.get_num_threads())
     ours = generate_tokens(default_llm.model, ids, default_llm.make_schedule(speedup=1.0), 16, eos_token_ids=())
     assert got["tokens"][:12] == ours[0][0].token_ids[:12]
-    for b in ("1", "2"):
-        assert min(got["batches"][b]["t_n"]) > min(got["batches"][b]["t_1"]) > 0
+    for b in ("1", "2"):  # one repeat: the 15 decode steps' seconds
+        (t,) = got["batches"][b]["t_decode"]
+        assert 0 < t < 60

@@ -80,8 +80,10 @@ class _Ours:
     def __init__(self, llm: LLM, ids: list[list[int]]):
         self.llm, self.ids = llm, ids
 
-    def run(self, schedule: SkipSchedule, new_tokens: int) -> None:
-        generate_tokens(self.llm.model, self.ids, schedule, new_tokens, eos_token_ids=())
+    def run(self, schedule: SkipSchedule, new_tokens: int) -> dict:
+        """Generate ``new_tokens`` for every row; the batch stats (``decode_seconds``: the steps after
+        the one that prefills every prompt and gives each its first token)."""
+        return generate_tokens(self.llm.model, self.ids, schedule, new_tokens, eos_token_ids=())[1]
 
     def fixed_step_seconds(self, repeats: int) -> float:
         """One decode step that runs no layer: embedding + final norm + LM head."""

@@ -7,10 +7,10 @@ virtualenv's python (it never imports skipdecode, and skipdecode never imports l
 stdin: a JSON list of prompt token-id lists (the same ids skipdecode decodes; the GGUF is converted
 from the same Hugging Face directory, so the vocabularies agree). Batch b decodes sequences
 0..b-1 in one ``llama_batch`` per step, each with its own sequence id, greedy (llama.cpp's own
-greedy sampler), EOS ignored. stdout, last line: JSON ``{"batches": {b: {"t_n": [...],
-"t_1": [...]}}, "tokens": [...]}``: seconds for ``NEW_TOKENS`` and for one new token (prefill
-plus one sample), so the decode time is isolated the way the bench does for every engine, and
-the greedy tokens of sequence 0 at batch 1 (checked against skipdecode's).
+greedy sampler), EOS ignored. stdout, last line: JSON ``{"batches": {b: {"t_decode": [...]}},
+"tokens": [...]}``: per repeat, the seconds of the ``NEW_TOKENS - 1`` decode steps after the
+prefill (timed from the first token on, as the bench times skipdecode), and the greedy tokens
+of sequence 0 at batch 1 (checked against skipdecode's).
 """
 
 import json
@@ -49,8 +49,9 @@ def main() -> None:
         batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
         batch.seq_id[i][0], batch.logits[i] = seq, logits
 
-    def run(b: int, k: int) -> list[int]:
-        """Prefill b prompts in one batch, then k - 1 decode steps of b rows; greedy."""
+    def run(b: int, k: int) -> tuple[list[int], float]:
+        """Prefill b prompts in one batch, then k - 1 decode steps of b rows; greedy.
+        Returns row 0's tokens and the seconds of the decode steps alone."""
         L.llama_memory_clear(mem, True)
         seqs = [prompts[s % len(prompts)] for s in range(b)]
         i, last = 0, []
@@ -65,6 +66,7 @@ def main() -> None:
         toks = [L.llama_sampler_sample(sampler, ctx, idx) for idx in last]
         out = [toks[0]]
         pos = [len(p) for p in seqs]
+        t0 = time.perf_counter()
         for _ in range(k - 1):
             for s in range(b):
                 put(s, toks[s], pos[s], s, True)
@@ -74,19 +76,13 @@ def main() -> None:
                 raise SystemExit("llama_decode failed on a decode step")
             toks = [L.llama_sampler_sample(sampler, ctx, s) for s in range(b)]
             out.append(toks[0])
-        return out
+        return out, time.perf_counter() - t0
 
-    tokens = run(1, n)
+    tokens, _ = run(1, n)
     res = {}
     for b in batches:
         run(b, 4)  # warm-up
-        t_n, t_1 = [], []
-        for _ in range(repeats):
-            for k, store in ((n, t_n), (1, t_1)):
-                t = time.perf_counter()
-                run(b, k)
-                store.append(time.perf_counter() - t)
-        res[str(b)] = {"t_n": t_n, "t_1": t_1}
+        res[str(b)] = {"t_decode": [run(b, n)[1] for _ in range(repeats)]}
     L.llama_sampler_free(sampler)
     L.llama_batch_free(batch)
     L.llama_free(ctx)
