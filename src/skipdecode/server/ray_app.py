@@ -58,6 +58,18 @@ def replica_failure(message: str) -> str:
     return lines[-1] if lines else message
 
 
+def _deploy_failure(serve, error: RuntimeError) -> str:
+    """Why the deployment failed: Ray's exception says only that it did; the
+    deployment's status message carries the replica's exception."""
+    why = str(error)
+    try:
+        app = serve.status().applications.get("skipdecode")
+        why = "\n".join([why] + [d.message for d in (app.deployments.values() if app else ()) if d.message])
+    except Exception:  # noqa: BLE001 - the status is a nicety; the exception's text is enough
+        pass
+    return replica_failure(why)
+
+
 def check_replica(state) -> None:
     """Ray's health check of one replica (a ``ServerState``): raising marks it
     unhealthy and Ray replaces it."""
@@ -120,29 +132,23 @@ def serve_on_ray(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     else:
         # "local": a cluster of our own, never one that another process on this machine started
-        ray.init(address="local", include_dashboard=False, _node_ip_address=host if host in ("127.0.0.1", "localhost") else None,
-                 log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port}, detached=False)
+        ray.init(address="local", include_dashboard=False,
+                 _node_ip_address=host if host in ("127.0.0.1", "localhost") else None, log_to_driver=False)
     try:
-        serve.run(deployment(config, num_replicas, autoscale, replica_cpus), name="skipdecode", route_prefix="/",
-                  blocking=False)
-    except RuntimeError as e:  # Ray gave up after its retries: the deployment failed to start
-        why = str(e)
-        try:  # the deployment's status message carries the replica's exception
-            app = serve.status().applications.get("skipdecode")
-            why = "\n".join([why] + [d.message for d in (app.deployments.values() if app else ()) if d.message])
-        except Exception:  # noqa: BLE001 - the status is a nicety; the exception's text is enough
-            pass
-        print(f"skipdecode: error: the Ray Serve replicas failed to start: {replica_failure(why)}",
-              file=sys.stderr, flush=True)
+        serve.start(http_options={"host": host, "port": port}, detached=False)
+        try:
+            serve.run(deployment(config, num_replicas, autoscale, replica_cpus), name="skipdecode",
+                      route_prefix="/", blocking=False)
+        except RuntimeError as e:  # Ray gave up after its retries: the deployment failed to start
+            print(f"skipdecode: error: the Ray Serve replicas failed to start: {_deploy_failure(serve, e)}",
+                  file=sys.stderr, flush=True)
+            return 1
+        print(f"skipdecode: serving on http://{host}:{port} through Ray Serve", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        stop.wait()
+        return 0
+    finally:
         serve.shutdown()
         ray.shutdown()
-        return 1
-    print(f"skipdecode: serving on http://{host}:{port} through Ray Serve", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
-    ray.shutdown()
-    return 0
