@@ -292,6 +292,50 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
     assert all(c[k].dtype == a[k].dtype for k in a) and off < moved / 100, (off, moved)
 
 
+def test_a_device_torch_cannot_use_is_refused_before_any_work(tmp_path, tiny_text, e2e_csv):
+    with pytest.raises(TrainError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        train(_run_cfg(tiny_text, e2e_csv, tmp_path / "gpu", device="gpu"))
+    if torch.cuda.is_available():
+        bad, why = f"cuda:{torch.cuda.device_count()}", "CUDA device"
+    else:
+        bad, why = "cuda", "sees no CUDA GPU"
+    with pytest.raises(TrainError, match=why):
+        train(_run_cfg(tiny_text, e2e_csv, tmp_path / "cuda", device=bad))
+    assert not (tmp_path / "cuda").exists() and not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available())")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_on_cuda_follows_the_cpu_run_to_fp32_rounding_and_writes_cpu_weights(tmp_path, tiny_text, e2e_csv,
+                                                                                   lora):
+    from safetensors.torch import load_file
+
+    kw = dict(steps=8, speedups=[1.0, 3.0], lora=lora, lora_r=4, lora_dropout=0.0, save_every=3)
+    runs = {dev: train(_run_cfg(tiny_text, e2e_csv, tmp_path / dev, device=dev, **kw)) for dev in ("cpu", "cuda")}
+    cpu, gpu = runs["cpu"], runs["cuda"]
+    assert len(cpu.losses) == len(gpu.losses) == 8
+    assert [round(a, 3) for a in cpu.losses] == pytest.approx([round(b, 3) for b in gpu.losses], abs=2e-3)
+    assert cpu.validation_loss == pytest.approx(gpu.validation_loss, rel=1e-3)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = load_file(tmp_path / "cpu" / name), load_file(tmp_path / "cuda" / name)
+    assert a.keys() == b.keys() and all(t.device.type == "cpu" for t in b.values())
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 5e-3, worst  # Adam turns rounding-level gradient differences into up to lr-sized steps
+    assert [r["schedule_target"] for r in _log(tmp_path / "cpu")] == [r["schedule_target"] for r in _log(tmp_path / "cuda")]
+    # a killed GPU run resumes from its checkpoint (here on the same device) to the same end
+    env = dict(os.environ, SKIPDECODE_FAULT="kill_after_step=5")
+    args = [sys.executable, "-m", "skipdecode.cli", "train", "--model", str(tiny_text), "--data", str(e2e_csv),
+            "-o", str(tmp_path / "killed"), "--steps", "8", "--batch-size", "4", "--lr", "3e-3",
+            "--speedups", "1,3", "--val-groups", "1", "--save-every", "3", "--eval-examples", "4",
+            "--no-progress", "--device", "cuda", "--lora-dropout", "0"] + (["--lora", "--lora-r", "4"] if lora else [])
+    killed = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    c = load_file(tmp_path / "killed" / name)
+    assert max((b[k] - c[k]).abs().max().item() for k in b) < 5e-3
+
+
 def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_it(tmp_path, tiny_text, e2e_csv,
                                                                                  monkeypatch):
     monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))  # its merge stays out of the user's cache

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -27,6 +27,13 @@ class Batch:
     t0: int  # column of target token 0 as an input; column T0-1 predicts it
     target_tokens: int
     input_tokens: int  # non-padding input tokens (prompt + fed-back target tokens)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """The same batch with its tensors on ``device`` (laid out on the CPU, run where the model is)."""
+        if torch.device(device).type == "cpu":
+            return self
+        mv = {k: getattr(self, k).to(device, non_blocking=True) for k in ("tokens", "positions", "labels")}
+        return replace(self, **mv, key_valid=None if self.key_valid is None else self.key_valid.to(device))
 
 
 def active_lengths(schedule: SkipSchedule, t0: int, max_target: int) -> list[int]:
@@ -64,11 +71,11 @@ def make_batch(items: Sequence[tuple[Sequence[int], Sequence[int]]], schedule: S
                  t0, n_target, sum(len(p) + len(t) - 1 for p, t in items))
 
 
-def autocast(mixed_precision: str = "no") -> torch.autocast:
+def autocast(mixed_precision: str = "no", device: str = "cpu") -> torch.autocast:
     """The forward pass's precision: ``bf16`` runs matmuls and attention in
-    bfloat16 (torch.autocast on the CPU); parameters stay fp32, so gradients
+    bfloat16 (torch.autocast on the run's device); parameters stay fp32, so gradients
     and AdamW's state do too, and the loss is taken in fp32 (``logits.float()``)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
 
 
 def batch_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
@@ -79,6 +80,9 @@ class TrainConfig:
     mixed_precision: str = _opt("no", "bf16: matmuls and attention in bfloat16 (torch.autocast), faster where the "
                                       "CPU has AMX or AVX-512-BF16; weights, gradients, optimizer state and the "
                                       "loss stay fp32", choices=list(MIXED_PRECISION))
+    device: str = _opt("cpu", "where the steps run: cpu, or cuda / cuda:N (one GPU, one process; fp32 matmuls "
+                              "stay fp32, TF32 off). The data order, schedule draws and outputs are the same; "
+                              "the trained weights are a CPU run's up to floating-point rounding")
     # optimization
     steps: int | None = _opt(None, "optimizer steps (default: --epochs over the training data)")
     epochs: float = _opt(1.0, "passes over the training data when --steps is unset")
@@ -131,6 +135,8 @@ class TrainConfig:
             check_float("val_groups", self.val_groups, 0, lo_open=True, error=E)
         if self.mixed_precision not in MIXED_PRECISION:
             raise E(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise E(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.mode not in ("skip", "early_exit", "nested"):
             raise E(f"mode must be 'skip', 'early_exit' or 'nested', got {self.mode!r}")
         if not self.schedule_file:

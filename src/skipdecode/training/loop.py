@@ -140,14 +140,14 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, items: list, schedule: SkipSchedule, pad_id: int, batch_size: int = 8,
-                  mixed_precision: str = "no") -> float:
+                  mixed_precision: str = "no", device: str = "cpu") -> float:
     """Mean cross-entropy per target token under one schedule (teacher forced)."""
     was = model.training
     model.eval()
     total, n = 0.0, 0
     for k in range(0, len(items), batch_size):
-        b = make_batch(items[k:k + batch_size], schedule, pad_id)
-        with autocast(mixed_precision):
+        b = make_batch(items[k:k + batch_size], schedule, pad_id).to(device)
+        with autocast(mixed_precision, device):
             total += batch_loss_sum(model, b).item()
         n += b.target_tokens
     model.train(was)
@@ -217,8 +217,29 @@ def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
             torch.distributed.destroy_process_group()
 
 
+def train_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
+    """The device the steps run on, or a clear error before any work. On a GPU
+    fp32 stays fp32 (TF32 matmuls off): the run differs from a CPU run only by
+    the order of floating-point sums."""
+    dev = torch.device(cfg.device)
+    if dev.type == "cpu":
+        return dev
+    if env.world > 1:
+        raise TrainError(f"--device {cfg.device} trains in one process; under torchrun train on the CPU "
+                         "(gloo) or launch a single process")
+    if not torch.cuda.is_available():
+        raise TrainError(f"--device {cfg.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                         "train on the CPU (--device cpu) or install a CUDA build of torch")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise TrainError(f"--device {cfg.device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return dev
+
+
 def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     out = Path(cfg.output_dir)
+    device = train_device(cfg, env)
     per_rank, rem = divmod(cfg.batch_size, env.world * cfg.grad_accum)
     if rem or per_rank < 1:
         raise TrainError(f"batch_size {cfg.batch_size} must be a multiple of world size x grad_accum "
@@ -283,7 +304,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         raise TrainError("nothing to train: steps/epochs give 0 optimizer steps")
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * total))
 
-    model = prepare_model(net, cfg)
+    model = prepare_model(net, cfg).to(device)
     if fsdp:
         model = shard_model(model)  # before the optimizer: it must see the sharded parameters
     params = [p for p in model.parameters() if p.requires_grad]
@@ -348,12 +369,12 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             local = global_items[env.rank * per_rank * cfg.grad_accum:(env.rank + 1) * per_rank * cfg.grad_accum]
             loss_sum, ce_sum = 0.0, 0.0
             for k, micro in enumerate(_micro_batches(local, cfg.grad_accum)):
-                batch = make_batch(micro, sched, pad_id)
+                batch = make_batch(micro, sched, pad_id).to(device)
                 sync = env.world == 1 or k == cfg.grad_accum - 1
                 if fsdp:
                     runner.set_requires_gradient_sync(sync)
                 with contextlib.nullcontext() if sync or fsdp else runner.no_sync():
-                    with autocast(cfg.mixed_precision):
+                    with autocast(cfg.mixed_precision, cfg.device):
                         ls, ce = batch_objective(runner, batch, cfg.distill, cfg.distill_temperature)
                     (ls * (env.world / n_target)).backward()
                 loss_sum += ls.item()
@@ -402,8 +423,10 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     val_loss = {}
     if env.main and val_items:
         for k, s in schedules.items():
-            val_loss[k] = evaluate_loss(model, val_items, s, pad_id, max(1, per_rank), cfg.mixed_precision)
+            val_loss[k] = evaluate_loss(model, val_items, s, pad_id, max(1, per_rank), cfg.mixed_precision,
+                                        cfg.device)
         _say(env, "skipdecode train: validation loss " + ", ".join(f"{k} {v:.3f}" for k, v in val_loss.items()))
+    model = model.to("cpu")  # outputs are written, and the result returned, from the CPU
     record.steps_done, record.final_loss, record.validation_loss = total, losses[-1] if losses else None, val_loss
     record.seconds, record.tokens_seen = elapsed0 + time.perf_counter() - t_run, tokens_seen
     meta = record.to_json()

@@ -70,7 +70,10 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, opt: torch.optim.Opt
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     env.barrier()
-    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, tmp / f"rng-rank{env.rank}.pt")
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # LoRA dropout on a GPU draws from its generator
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / f"rng-rank{env.rank}.pt")
     if env.main or fsdp:  # FSDP gathers the shards: a collective every rank joins
         weights, opt_state = trainable_state(model), _optimizer_state(model, opt, fsdp)
     env.barrier()
@@ -146,6 +149,8 @@ def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, sc
         rng = _load_pt(rng_file)  # python's state is a tuple of ints: weights-only loads it
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     else:  # resumed on more ranks than saved: a deterministic stand-in
         random.seed(state["step"] * 7919 + env.rank)
         torch.manual_seed(state["step"] * 7919 + env.rank)
