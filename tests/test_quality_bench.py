@@ -180,3 +180,33 @@ def test_the_heldout_table_scores_report_and_select_and_times_each_row_in_one_ru
     assert "| SkipDecode | 3x |" in md and "never run 2x" in md and "50%" in md
     for png in ("quality.png", "quality-appendix.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
+
+
+def test_the_seed_spread_gives_each_seeds_bleu_kept_and_names_with_mean_and_range(tmp_path):
+    from skipdecode.bench.heldout import REFERENCE as REF, render_markdown, seed_spread
+
+    def write(stem: str, split: str, scores: dict[float, float]) -> None:
+        (tmp_path / f"eval-{split}-{stem}.json").write_text(json.dumps({"results": [
+            {"speedup_target": t, "bleu": b, "names_copied": 0.5} for t, b in scores.items()]}))
+
+    write("ref-a", "report", {1.0: 60.0})
+    write("ref-b", "report", {1.0: 64.0})
+    write("rec-a", "report", {1.0: 50.0, 3.0: 45.0})
+    write("rec-b", "report", {1.0: 60.0, 3.0: 57.0})
+    write("rec-c", "select", {1.0: 70.0})  # a seed scored on one split only counts on that split
+    groups = {REF: ("ref-a", "ref-b", "ref-missing"), "recipe": ("rec-a", "rec-b", "rec-c")}
+    spread = seed_spread(tmp_path, groups)
+    got = {(g["recipe"], g["split"], g["speedup_target"]): g for g in spread}
+    assert set(got) == {(REF, "report", 1.0), ("recipe", "report", 1.0), ("recipe", "report", 3.0),
+                        ("recipe", "select", 1.0)}
+    three = got["recipe", "report", 3.0]
+    assert three["seeds"] == ["rec-a", "rec-b"] and three["bleu"] == [45.0, 57.0]
+    assert three["bleu_stats"] == {"mean": 51.0, "min": 45.0, "max": 57.0}
+    assert three["kept_own"] == [0.9, 0.95] and three["kept_own_stats"]["mean"] == pytest.approx(0.925)
+    assert got[REF, "report", 1.0]["bleu_stats"]["mean"] == 62.0
+    md = render_markdown({"machine": {"cpu": "x"}, "settings": {"batch": 1, "new_tokens": 1, "repeats": 1,
+                                                                 "threads": 1, "torch": "t"},
+                          "splits": {"select": "s", "report": "r"}, "title": "t", "results": [],
+                          "not_yet_measured": [], "commands": [], "seed_spread": spread})
+    assert "| recipe | report | 3x | 45.00 / 57.00 | 51.00 (45.00-57.00) | 90.0% / 95.0% | 92.5% |" in md
+    assert "report, 1x: recipe 55.00 mean BLEU against the full-depth-only reference's 62.00 (difference -7.00" in md

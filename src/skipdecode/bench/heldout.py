@@ -40,6 +40,14 @@ SHIPPED_05B = "qwen2.5-coder-0.5b-e2e"
 HEADLINE = (SHIPPED, SHIPPED_05B, STATIC_DROP, EARLY_EXIT, REFERENCE)  # at most 5 series
 
 
+# Recipes trained at several seeds (data order, schedule draws, LoRA init; benchmarks/quality_heldout_gpu.sh,
+# one GPU): how far runs of one recipe land apart is the noise floor of any comparison between two runs.
+SEED_GROUPS: dict[str, tuple[str, ...]] = {
+    REFERENCE: ("full-only", "full-only-seed1", "full-only-seed2"),
+    "the shipped recipe (default-e2e's)": ("default-e2e-cuda", "default-e2e-cuda-seed1", "default-e2e-cuda-seed2"),
+}
+
+
 @dataclass(frozen=True)
 class HeldoutRow:
     name: str
@@ -74,9 +82,39 @@ def heldout_rows() -> list[HeldoutRow]:
     ]
 
 
+def seed_spread(results: Path = RESULTS, groups: dict[str, tuple[str, ...]] | None = None) -> list[dict[str, Any]]:
+    """Per recipe, split and target: each seed's BLEU, kept fraction of its own 1x and names right,
+    with their mean and range (seeds whose evaluation is missing are left out)."""
+    out = []
+    for recipe, stems in (SEED_GROUPS if groups is None else groups).items():
+        for split in SPLITS:
+            by_seed = {}
+            for stem in stems:
+                p = results / f"eval-{split}-{stem}.json"
+                if p.is_file():
+                    by_seed[stem] = {r["speedup_target"]: r for r in json.loads(p.read_text())["results"]}
+            targets = sorted({t for res in by_seed.values() for t in res})
+            for t in targets:
+                have = [(stem, res) for stem, res in by_seed.items() if t in res]
+                bleu = [res[t]["bleu"] for _, res in have]
+                kept = [res[t]["bleu"] / res[1.0]["bleu"] for _, res in have if 1.0 in res and res[1.0]["bleu"]]
+                names = [res[t].get("names_copied") for _, res in have]
+
+                def stats(xs: list[float]) -> dict[str, float] | None:
+                    return {"mean": round(sum(xs) / len(xs), 4), "min": round(min(xs), 4),
+                            "max": round(max(xs), 4)} if xs else None
+
+                out.append({"recipe": recipe, "split": split, "speedup_target": t, "seeds": [s for s, _ in have],
+                            "bleu": [round(x, 2) for x in bleu], "bleu_stats": stats(bleu),
+                            "kept_own": [round(x, 4) for x in kept], "kept_own_stats": stats(kept),
+                            "names_copied": names})
+    return out
+
+
 def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RESULTS, quick: bool = False,
                         new_tokens: int = 32, batch: int = 16, repeats: int = 3,
-                        rows: list[HeldoutRow] | None = None) -> dict[str, Any]:
+                        rows: list[HeldoutRow] | None = None,
+                        seed_groups: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
     """Every row's scores from its select and report evaluations; its speed measured here."""
     out_dir, results = Path(out_dir), Path(results)
     rows = rows or heldout_rows()
@@ -186,6 +224,7 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
         "commands": ["benchmarks/quality_heldout.sh", "skipdecode bench --quality"],
         "not_yet_measured": missing,
         "results": table,
+        "seed_spread": seed_spread(results, seed_groups),
     }
     atomic.write_text(out_dir / "quality.json", json.dumps(report, indent=2) + "\n")
     atomic.write_text(out_dir / "quality.md", render_markdown(report))
@@ -221,6 +260,32 @@ def render_markdown(rep: dict) -> str:
             f"{_percent(rp.get('names_copied'))} | {_kept(rp.get('names_kept_own'), None, True)} | "
             f"{'-' if sel.get('bleu') is None else format(sel['bleu'], '.2f')} | "
             f"{_kept(sel.get('bleu_kept_own'), None, True)} |")
+    spread = rep.get("seed_spread") or []
+    if spread:
+        lines += ["", "## The same recipe at several seeds", "",
+                  "Each recipe trained at seeds 0, 1 and 2 (data order, schedule draws, LoRA init) on one GPU "
+                  "(`skipdecode train --device cuda`, `benchmarks/quality_heldout_gpu.sh`); each seed scored as "
+                  "above. The range between seeds is the noise floor of comparing two single runs.", "",
+                  "| recipe | split | target | BLEU per seed | mean (min-max) | kept of own 1x per seed "
+                  "| mean kept | names right per seed |",
+                  "|---|---|---:|---|---|---|---:|---|"]
+        for g in spread:
+            b, k = g["bleu_stats"], g["kept_own_stats"]
+            lines.append(
+                f"| {g['recipe']} | {g['split']} | {g['speedup_target']:g}x | "
+                + " / ".join(f"{x:.2f}" for x in g["bleu"])
+                + f" | {b['mean']:.2f} ({b['min']:.2f}-{b['max']:.2f}) | "
+                + (" / ".join(f"{100 * x:.1f}%" for x in g["kept_own"]) if g["speedup_target"] != 1.0 else "-")
+                + f" | {'-' if k is None or g['speedup_target'] == 1.0 else format(100 * k['mean'], '.1f') + '%'} | "
+                + " / ".join(_percent(x) for x in g["names_copied"]) + " |")
+        one = {(g["recipe"], g["split"]): g["bleu_stats"] for g in spread if g["speedup_target"] == 1.0}
+        for split in SPLITS:
+            ref = one.get((REFERENCE, split))
+            for (recipe, sp), st in one.items():
+                if sp == split and recipe != REFERENCE and ref:
+                    lines += ["", f"{split}, 1x: {recipe} {st['mean']:.2f} mean BLEU against the full-depth-only "
+                                  f"reference's {ref['mean']:.2f} (difference {st['mean'] - ref['mean']:+.2f}; "
+                                  f"seed ranges {st['min']:.2f}-{st['max']:.2f} and {ref['min']:.2f}-{ref['max']:.2f})."]
     if rep["not_yet_measured"]:
         lines += ["", "Not yet measured (no report evaluation committed): " + ", ".join(rep["not_yet_measured"])
                   + "."]
