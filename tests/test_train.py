@@ -292,6 +292,30 @@ def test_lora_adapter_and_merge(tmp_path, tiny_text, e2e_csv):
     assert all(c[k].dtype == a[k].dtype for k in a) and off < moved / 100, (off, moved)
 
 
+def test_the_training_seed_never_moves_the_validation_split_and_the_split_seed_does(tmp_path, tiny_text):
+    import csv
+
+    from skipdecode.data import load_task
+
+    data = tmp_path / "e2e.csv"  # MR i has i + 1 references: which MR is held out shows in the train count
+    with open(data, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mr", "ref"])
+        for i in range(6):
+            for j in range(i + 1):
+                w.writerow([f"name[Place {i}], food[Thai]", f"Place {i} serves Thai food, take {j}."])
+    n_train = {s: len(load_task(str(data), val_groups=1, seed=s).train) for s in (0, 1)}
+    assert n_train[0] != n_train[1]  # the two split seeds hold out different MRs
+
+    def run(name: str, **kw) -> dict:
+        train(_run_cfg(tiny_text, data, tmp_path / name, steps=1, speedups=[1.0], eval_examples=0, **kw))
+        return json.loads((tmp_path / name / "skipdecode.json").read_text())
+
+    a, b, c = run("seed0"), run("seed1", seed=1), run("split1", split_seed=1)
+    assert a["train_examples"] == b["train_examples"] == n_train[0]
+    assert c["train_examples"] == n_train[1]
+
+
 def test_a_device_torch_cannot_use_is_refused_before_any_work(tmp_path, tiny_text, e2e_csv):
     with pytest.raises(TrainError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
         train(_run_cfg(tiny_text, e2e_csv, tmp_path / "gpu", device="gpu"))

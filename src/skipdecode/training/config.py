@@ -22,7 +22,7 @@ _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "importanc
                 "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
-                "max_grad_norm", "seed", "max_length", "val_groups", "chat", "fsdp", "distill",
+                "max_grad_norm", "seed", "split_seed", "max_length", "val_groups", "chat", "fsdp", "distill",
                 "distill_temperature", "mixed_precision")
 
 
@@ -94,6 +94,9 @@ class TrainConfig:
     min_lr_ratio: float = _opt(0.0, "the cosine schedule decays to lr * min_lr_ratio")
     max_grad_norm: float = _opt(1.0, "gradient clipping (0 disables it)")
     seed: int = _opt(0, "seed of data order, schedule draws and LoRA init")
+    split_seed: int = _opt(0, "seed of the train/validation split of E2E and JSONL data (evaluate --seed names "
+                              "the same split); apart from --seed, so that a run at another seed never trains "
+                              "on the names or MRs a model is scored on")
     # data
     max_length: int | None = _opt(None, "drop longer examples (default: the model's context)")
     val_groups: float | None = _opt(None, "held-out groups (E2E: MRs, default 60), or a fraction < 1")
@@ -121,6 +124,7 @@ class TrainConfig:
         if self.warmup_steps is not None:
             check_int("warmup_steps", self.warmup_steps, 0, error=E)
         check_int("seed", self.seed, 0, SEED_MAX - 1, error=E)
+        check_int("split_seed", self.split_seed, 0, SEED_MAX - 1, error=E)
         if self.lr is not None:
             check_float("lr", self.lr, 0, lo_open=True, error=E)
         check_float("epochs", self.epochs, 0, lo_open=True, error=E)

@@ -274,7 +274,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     tokenizer = load_tokenizer(path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     L = net.cfg.n_layers
-    task: TaskData = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.seed)
+    task: TaskData = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.split_seed)
     max_len = min(cfg.max_length or net.cfg.max_position, net.cfg.max_position)
     train_items, dropped = _tokenize(tokenizer, task.train, cfg.chat, max_len)
     if dropped:
@@ -453,7 +453,7 @@ def measure_cli(cfg: TrainConfig, speedup: float = 3.0, repeats: int = 3) -> dic
     r_malloc = keep_freed_memory()
     net, path = load_model(cfg.model)
     tok = load_tokenizer(path)
-    task = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.seed)
+    task = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.split_seed)
     items, _ = _tokenize(tok, task.train[: cfg.batch_size], cfg.chat, net.cfg.max_position)
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in items))
     L = net.cfg.n_layers
