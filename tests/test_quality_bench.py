@@ -208,5 +208,5 @@ def test_the_seed_spread_gives_each_seeds_bleu_kept_and_names_with_mean_and_rang
                                                                  "threads": 1, "torch": "t"},
                           "splits": {"select": "s", "report": "r"}, "title": "t", "results": [],
                           "not_yet_measured": [], "commands": [], "seed_spread": spread})
-    assert "| recipe | report | 3x | 45.00 / 57.00 | 51.00 (45.00-57.00) | 90.0% / 95.0% | 92.5% |" in md
+    assert "| recipe | report | 3x | rec-a / rec-b | 45.00 / 57.00 | 51.00 (45.00-57.00) | 90.0% / 95.0% | 92.5% |" in md
     assert "report, 1x: recipe 55.00 mean BLEU against the full-depth-only reference's 62.00 (difference -7.00" in md
