@@ -81,8 +81,8 @@ class TrainConfig:
                                       "CPU has AMX or AVX-512-BF16; weights, gradients, optimizer state and the "
                                       "loss stay fp32", choices=list(MIXED_PRECISION))
     device: str = _opt("cpu", "where the steps run: cpu, or cuda / cuda:N (one GPU, one process; fp32 matmuls "
-                              "stay fp32, TF32 off). The data order, schedule draws and outputs are the same; "
-                              "the trained weights are a CPU run's up to floating-point rounding")
+                              "stay fp32, TF32 off). The data order and schedule draws are the same as on the "
+                              "CPU; sums round in another order and LoRA dropout draws other masks")
     # optimization
     steps: int | None = _opt(None, "optimizer steps (default: --epochs over the training data)")
     epochs: float = _opt(1.0, "passes over the training data when --steps is unset")

@@ -219,8 +219,9 @@ def train(config: TrainConfig | None = None, **overrides: Any) -> TrainResult:
 
 def train_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
     """The device the steps run on, or a clear error before any work. On a GPU
-    fp32 stays fp32 (TF32 matmuls off): the run differs from a CPU run only by
-    the order of floating-point sums."""
+    fp32 stays fp32 (TF32 matmuls off): the run differs from a CPU run by the
+    order of floating-point sums and, with LoRA dropout, by its masks (drawn
+    from the GPU's generator)."""
     dev = torch.device(cfg.device)
     if dev.type == "cpu":
         return dev
@@ -232,6 +233,8 @@ def train_device(cfg: TrainConfig, env: DistEnv) -> torch.device:
                          "train on the CPU (--device cpu) or install a CUDA build of torch")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise TrainError(f"--device {cfg.device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if dev.index is not None:  # checkpoints save the current device's RNG state (LoRA dropout)
+        torch.cuda.set_device(dev.index)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return dev
