@@ -177,6 +177,7 @@ def test_a_client_reading_its_stream_slowly_stalls_nobody_and_loses_nothing(serv
 def test_a_burst_past_the_queue_never_holds_more_than_it_allows(server):
     limit = SEQS + QUEUE
     results: list[tuple[int, float]] = []  # (status, when the response ended)
+    sent_at: list[float] = []  # when each request was fully sent
     peak = [0.0]
     stop = threading.Event()
 
@@ -189,6 +190,7 @@ def test_a_burst_past_the_queue_never_holds_more_than_it_allows(server):
 
     def one():
         s = _stream_socket(server, {"model": NAME, "prompt": "burst", "max_tokens": 300})
+        sent_at.append(time.monotonic())
         data = _read_all(s)
         results.append((int(data.split(b" ", 2)[1]), time.monotonic()))
 
@@ -197,7 +199,6 @@ def test_a_burst_past_the_queue_never_holds_more_than_it_allows(server):
     clients = [threading.Thread(target=one) for _ in range(24)]
     for c in clients:
         c.start()
-    sent = time.monotonic()
     for c in clients:
         c.join(120)
     stop.set()
@@ -205,7 +206,8 @@ def test_a_burst_past_the_queue_never_holds_more_than_it_allows(server):
     statuses = [st for st, _ in results]
     assert len(statuses) == 24 and set(statuses) <= {200, 429}
     assert peak[0] <= limit
-    finished_early = sum(1 for st, t in results if st == 200 and t < sent)
+    # a request that ended before the last one arrived freed its place (threads start late on a busy machine)
+    finished_early = sum(1 for st, t in results if st == 200 and t < max(sent_at))
     assert limit >= statuses.count(200) - finished_early >= 1
     assert server.health() == 200
 
