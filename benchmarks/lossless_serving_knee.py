@@ -23,8 +23,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from skipdecode.bench.decode import machine_info  # noqa: E402
-from skipdecode.bench.engine import _arrivals, serve  # noqa: E402
-from skipdecode.bench.lossless import TPOT_LIMIT_MS  # noqa: E402
+from skipdecode.bench.lossless import TPOT_LIMIT_MS, serving_sweep, serving_table  # noqa: E402
 from skipdecode.data import load_task  # noqa: E402
 from skipdecode.llm import LLM  # noqa: E402
 
@@ -45,22 +44,8 @@ def main() -> None:
     out: dict = {"machine": machine_info(), "command": ".venv/bin/python benchmarks/lossless_serving_knee.py",
                  "model": "default-e2e", "dtype": "float32", "requests": N_REQUESTS,
                  "max_new_tokens": MAX_NEW_TOKENS, "max_num_seqs": MAX_NUM_SEQS, "tpot_limit_ms": TPOT_LIMIT_MS,
-                 "split": "e2e-names validation", "rows": {}}
-    for name, kw in rows.items():
-        runs = []
-        for rate in RATES:
-            eng = llm.engine()
-            reqs = [llm.request(eng, pool[r % len(pool)].prompt, max_new_tokens=MAX_NEW_TOKENS, request_id=str(r),
-                                **kw) for r in range(N_REQUESTS)]
-            res = serve(llm, reqs, _arrivals(N_REQUESTS, rate, seed=0), "continuous", MAX_NUM_SEQS)
-            runs.append({"rate": "inf" if rate == float("inf") else rate,
-                         **{k: res[k] for k in ("tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_s",
-                                                "generated_tokens")}})
-            print(name, runs[-1], flush=True)
-        ok = [r for r in runs if r["tpot_p99_ms"] <= TPOT_LIMIT_MS]
-        best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
-        out["rows"][name] = {"runs": runs, "sustainable_tokens_per_s": best and best["tokens_per_s"],
-                             "sustainable_rate": best and best["rate"]}
+                 "split": "e2e-names validation",
+                 "rows": serving_sweep(llm, pool, rows, RATES, N_REQUESTS, MAX_NEW_TOKENS, MAX_NUM_SEQS)}
     full = out["rows"]["1x"]["sustainable_tokens_per_s"]
     for r in out["rows"].values():
         r["vs_1x"] = round(r["sustainable_tokens_per_s"] / full, 3) if full and r["sustainable_tokens_per_s"] else None
@@ -70,14 +55,11 @@ def main() -> None:
              f"`{out['command']}`; {m.get('cpu')}, {m.get('torch_threads')} threads, {m.get('date')}. "
              f"`default-e2e` fp32, {N_REQUESTS} requests per rate (Poisson, seed 0), {MAX_NEW_TOKENS} new tokens, "
              f"at most {MAX_NUM_SEQS} running; sustainable = the best tokens/s at a rate whose p99 TPOT is "
-             f"<= {TPOT_LIMIT_MS:g} ms.", "",
-             "| row | rate (req/s) | tok/s | TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|"]
-    for name, r in out["rows"].items():
-        lines += [f"| {name} | {x['rate']} | {x['tokens_per_s']:.1f} | {x['tpot_p50_ms']:.1f} | "
-                  f"{x['tpot_p99_ms']:.1f} |" for x in r["runs"]]
+             f"<= {TPOT_LIMIT_MS:g} ms.", ""] + serving_table(out["rows"])
     lines += [""] + [f"- {name}: sustainable {r['sustainable_tokens_per_s']} tok/s at {r['sustainable_rate']} req/s "
                      f"({r['vs_1x']}x full depth)" for name, r in out["rows"].items()] + [""]
     (RESULTS / "lossless-serving-knee.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -99,16 +99,15 @@ def seed_spread(results: Path = RESULTS, groups: dict[str, tuple[str, ...]] | No
                 bleu = [res[t]["bleu"] for _, res in have]
                 kept = [res[t]["bleu"] / res[1.0]["bleu"] for _, res in have if 1.0 in res and res[1.0]["bleu"]]
                 names = [res[t].get("names_copied") for _, res in have]
-
-                def stats(xs: list[float]) -> dict[str, float] | None:
-                    return {"mean": round(sum(xs) / len(xs), 4), "min": round(min(xs), 4),
-                            "max": round(max(xs), 4)} if xs else None
-
                 out.append({"recipe": recipe, "split": split, "speedup_target": t, "seeds": [s for s, _ in have],
-                            "bleu": [round(x, 2) for x in bleu], "bleu_stats": stats(bleu),
-                            "kept_own": [round(x, 4) for x in kept], "kept_own_stats": stats(kept),
+                            "bleu": [round(x, 2) for x in bleu], "bleu_stats": _stats(bleu),
+                            "kept_own": [round(x, 4) for x in kept], "kept_own_stats": _stats(kept),
                             "names_copied": names})
     return out
+
+
+def _stats(xs: list[float]) -> dict[str, float] | None:
+    return {"mean": round(sum(xs) / len(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)} if xs else None
 
 
 def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RESULTS, quick: bool = False,
