@@ -293,15 +293,15 @@ def test_int4_quantization_is_llamacpp_q4_0s_rule():
 HAS_VNNI = HAS_AVX512 and "avx512_vnni" in __import__("skipdecode.dispatch").dispatch.cpu_features()["isa"]
 
 
-@pytest.fixture(params=["portable", "vnni"])
+@pytest.fixture(params=["portable", "avx2", "vnni"])
 def a8_form(request, k):
-    """Run the test on each form of the int8-activation kernels: the portable one runs on every
-    CPU the kernels build on, the AVX512-VNNI one where present."""
+    """Run the test on each form of the int8-activation kernels: the portable and AVX2 ones run on
+    every CPU the kernels build on, the AVX512-VNNI one where present."""
     if request.param == "vnni" and not HAS_VNNI:
         pytest.skip("this CPU has no AVX512-VNNI")
-    prev = k.set_vnni(request.param == "vnni")
+    prev = k.set_a8(request.param)
     yield request.param
-    k.set_vnni(prev)
+    k.set_a8(prev)
 
 
 def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, int4: bool):
@@ -352,23 +352,39 @@ def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows
 
 
 @needs_kernels
-@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("int4", [False, True])
 def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4):
-    """A CPU without VNNI computes exactly what one with it does."""
+    """A CPU without VNNI (the AVX2 form) computes exactly what one with it does, and both exactly
+    what the plain C++ form does: 1 to 13 rows (the AVX2 form takes them 4 at a time), K over
+    several blocks of 256, weights at the int8 extremes and activations with outliers."""
     from skipdecode.model import quantize_int4, quantize_int8
 
     g = _gen(11)
-    w, x = torch.randn(72, 576, generator=g), torch.randn(9, 576, generator=g)
+    w, x = torch.randn(72, 576, generator=g), torch.randn(13, 576, generator=g)
+    w[3, :64] = 40.0  # a column whose weights hit +-127 after rounding
+    w[5, 64:128] = -40.0
+    x[:, 7] *= 50  # an outlier channel: its block's other activations round to few levels
+    x[2] = 0  # a row of zeros
     packed, ps = kernels.pack_int4_vnni(*quantize_int4(w)) if int4 else \
         (lambda q, s: (kernels.pack_int8_vnni(q), kernels.pack_scales(s)))(*quantize_int8(w))
-    prev = k.set_vnni(True)
+    forms = ["portable", "avx2"] + (["vnni"] if HAS_VNNI else [])
+    prev = k.set_a8("portable")
     try:
-        fast = k.linear(x, packed, None, 72, ps, a8=True)
-        k.set_vnni(False)
-        assert torch.equal(fast, k.linear(x, packed, None, 72, ps, a8=True))
+        out = {}
+        for f in forms:
+            k.set_a8(f)
+            out[f] = [k.linear(x[:m], packed, None, 72, ps, a8=True) for m in (1, 2, 3, 4, 5, 8, 13)]
     finally:
-        k.set_vnni(prev)
+        k.set_a8(prev)
+    for f in forms[1:]:
+        for a, b in zip(out["portable"], out[f]):
+            assert torch.equal(a, b), f
+    assert out["portable"][0].abs().sum() > 0
+
+
+def test_w8a8_packing_refuses_minus_128():
+    with pytest.raises(ValueError, match="-127, 127"):
+        kernels.pack_int8_vnni(torch.tensor([[-128, 0, 1, 2]] * 16, dtype=torch.int8))
 
 
 @needs_kernels

@@ -78,7 +78,7 @@ def load():
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            verbose=False)
         module.set_isa(isa() == "avx512")
-        module.set_vnni(has_vnni())
+        module.set_a8(a8_form())
         return module
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
         warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
@@ -105,12 +105,14 @@ def isa() -> str:
     return "avx2" if forced == "avx2" or not has else "avx512"
 
 
-def has_vnni() -> bool:
-    """Whether the int8-activation kernels (``w8a8``, ``w4a8``) run on AVX512-VNNI here; elsewhere
-    (and with ``SKIPDECODE_ISA=avx2``) they compute the same integer sums in portable C++."""
+def a8_form() -> str:
+    """The form of the int8-activation kernels (``w8a8``, ``w4a8``) here: ``vnni`` where the CPU has
+    AVX512-VNNI, else ``avx2`` (vpmaddubsw/vpmaddwd, as llama.cpp's Q8_0 on AVX2 CPUs);
+    ``SKIPDECODE_ISA=avx2`` forces ``avx2``. Both give the same integer sums, bit for bit, as the
+    plain C++ form the tests hold them to."""
     from .dispatch import cpu_features
 
-    return isa() == "avx512" and "avx512_vnni" in cpu_features()["isa"]
+    return "vnni" if isa() == "avx512" and "avx512_vnni" in cpu_features()["isa"] else "avx2"
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -155,6 +157,9 @@ def pack_int8_vnni(q: torch.Tensor) -> torch.Tensor:
     weights as one 32-bit group (AVX512-VNNI's ``vpdpbusd`` operand, 64 bytes), offset to unsigned
     (the byte ``q + 128``). Scales as ``pack_scales``."""
     n, k = q.shape
+    if q.numel() and int(q.min()) < -127:
+        # the AVX2 form gives each weight its activation's sign: -128 has no positive
+        raise ValueError("w8a8 weights must lie in [-127, 127] (symmetric int8); got -128")
     v = pack_weight(q)  # [NP, K, 16]
     v = v.reshape(v.shape[0], k // 4, 4, PANEL).transpose(2, 3)  # [NP, K/4, 16 columns, 4 k]
     u = (v.to(torch.int16) + 128).to(torch.uint8)

@@ -66,8 +66,8 @@ class PackedLinear(nn.Module):
       so does the LM head (``Transformer.pack_for_inference``);
     - ``w8a8``, ``w4a8``: the int8 or int4 panels with each row's activations
       quantized to int8 in blocks of 32 (llama.cpp's Q8_0 activations), on the
-      CPU's integer dot-product units (AVX512-VNNI; elsewhere the same integer
-      sums in portable C++, the same outputs). Exact int32 sums make a row's
+      CPU's integer dot-product units (AVX512-VNNI; elsewhere AVX2's
+      vpmaddubsw/vpmaddwd: the same integer sums, the same outputs). Exact int32 sums make a row's
       result independent of the other rows of the call (batch-invariant). A
       linear whose ``in_features`` is not a multiple of 32 keeps weight-only int8.
 

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -278,12 +280,17 @@ SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, in
   }
 }
 
-// int4 (layout above): each row of a pair widens to 16 lanes in one instruction.
-SD_AVX512 static inline void split_pair512(const uint8_t* w, __m128i& r0, __m128i& r1) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  const __m128i hi = _mm_set1_epi8(static_cast<char>(0xf0));
-  r0 = _mm_and_si128(_mm_slli_epi16(v, 4), hi);
-  r1 = _mm_and_si128(v, hi);
+// int4 (layout above): a 16-entry table in one register maps a nibble straight to its float
+// 16 * v (vpermps reads only the low 4 bits of each index), so a pair of rows takes one widening
+// load, one shift and two permutes instead of masking, two widenings and two conversions. The
+// table holds the same floats the AVX2 form converts, so both forms give identical sums.
+SD_AVX512 static inline __m512 q4_table512() {
+  return _mm512_setr_ps(0, 16, 32, 48, 64, 80, 96, 112, -128, -112, -96, -80, -64, -48, -32, -16);
+}
+SD_AVX512 static inline void split_pair512(const uint8_t* w, const __m512 table, __m512& w0, __m512& w1) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  w0 = _mm512_permutexvar_ps(v, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
 template <int R>
@@ -291,6 +298,7 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
                                                  int64_t kc, float* acc, bool first, bool last, float* y, int64_t ldy,
                                                  int64_t ncols, const float* bias, const float* res) {
   constexpr int U = R == 1 ? 8 : R == 2 ? 4 : 2;
+  const __m512 table = q4_table512();
   for (int64_t g = 0; g < kc; g += G4) {
     __m512 t[U][R];
     for (int u = 0; u < U; ++u)
@@ -298,10 +306,8 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
     for (int64_t k = g; k < g + G4; k += 2) {
       const int u0 = (k - g) % U, u1 = (u0 + 1) % U;
       _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
-      __m128i r0, r1;
-      split_pair512(w + k * 8, r0, r1);
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1));
+      __m512 w0, w1;
+      split_pair512(w + k * 8, table, w0, w1);
       for (int r = 0; r < R; ++r) {
         t[u0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, t[u0][r]);
         t[u1][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, t[u1][r]);
@@ -455,7 +461,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
 // panel, each column's 4 weights are one dword. vpdpbusd takes unsigned x signed bytes, so the
 // weights are stored offset to unsigned (int8: q + 128, int4: the code v + 8) and the offset times
 // the block's sum of quantized activations is subtracted from each sum.
-// CPUs without VNNI run the same integer sums in plain C++ (a8_portable): the same outputs.
+// CPUs without VNNI run the same integer sums on AVX2 (row_block_a8_avx2): the same outputs.
 constexpr int64_t QB = 32;
 
 // Quantized activations of M rows: q [M, K] int8, per block of QB: scale s and sum of q.
@@ -504,7 +510,10 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx) {
 }
 
 #define SD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-bool g_vnni = false;
+// Which form computes the int8-activation sums (set_a8): AVX512-VNNI, AVX2, or plain C++ (the
+// slow, obviously right one the tests hold the others to).
+enum A8Form { A8_PORTABLE = 0, A8_AVX2 = 1, A8_VNNI = 2 };
+int g_a8 = A8_AVX2;
 
 // w8a8 panels (kernels.pack_int8_vnni): per 4 k, 16 columns x the 4 k as one dword each, offset to
 // unsigned (q + 128): one 64-byte load is vpdpbusd's weight operand.
@@ -632,6 +641,101 @@ void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const i
   }
 }
 
+// The same integer sums on AVX2 (CPUs without AVX512-VNNI: most AMD Zen 2/3 and older Intel), as
+// llama.cpp's Q8_0 / Q4_0 dot products do there: vpmaddubsw multiplies unsigned by signed bytes and
+// adds pairs into int16, vpmaddwd adds those pairs into int32. No pair may saturate: int4 codes
+// (0..15) times x (|x| <= 127) stay under 3810 a pair; int8 weights go signed (q = byte ^ 0x80,
+// |q| <= 127, kernels.pack_int8_vnni refuses -128) and take x's sign, so |x| * (+-q) <= 16129.
+// Exact int32 sums and the same fp32 steps in the same order: bitwise the VNNI form's outputs.
+// A panel's 16 columns are two registers: columns 0-7 (int8: bytes 0-31 of the 64-byte operand;
+// int4: the low nibbles) and 8-15 (bytes 32-63; the high nibbles). Up to 4 rows per call.
+template <int R, bool Q4>
+static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, int64_t nb,
+                                        const void* wv, const uint16_t* gs, int64_t kc, float* acc, bool first,
+                                        bool last, float* y, int64_t ldy, int64_t ncols, const float* scale,
+                                        const float* bias, const float* res) {
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  if (first)
+    for (int r = 0; r < R; ++r) std::fill(acc + r * NR, acc + (r + 1) * NR, 0.f);
+  for (int64_t b = 0; b < kc; b += QB) {
+    __m256i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+    for (int64_t k = b; k < b + QB; k += 4) {
+      __m256i w0, w1;
+      if constexpr (Q4) {
+        const uint8_t* p = static_cast<const uint8_t*>(wv) + k * (NR / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+        const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        w0 = _mm256_and_si256(t, low4);
+        w1 = _mm256_and_si256(_mm256_srli_epi16(t, 4), low4);
+      } else {
+        const int8_t* p = static_cast<const int8_t*>(wv) + k * NR;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+        w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip);
+        w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + k));
+        __m256i p0, p1;
+        if constexpr (Q4) {
+          p0 = _mm256_maddubs_epi16(w0, xb);
+          p1 = _mm256_maddubs_epi16(w1, xb);
+        } else {
+          const __m256i ax = _mm256_abs_epi8(xb);
+          p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+          p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+        }
+        s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(p0, ones));
+        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(p1, ones));
+      }
+    }
+    const int64_t blk = b / QB;
+    __m256 g0 = _mm256_set1_ps(1.f), g1 = g0;
+    if constexpr (Q4) {
+      load_w(gs + blk * NR, g0, g1);
+      g0 = _mm256_mul_ps(g0, _mm256_set1_ps(16.f));
+      g1 = _mm256_mul_ps(g1, _mm256_set1_ps(16.f));
+    }
+    for (int r = 0; r < R; ++r) {
+      // int4 codes are v + 8: their sums carry 8 * sum(x), taken off as the VNNI form does
+      const __m256i off = _mm256_set1_epi32(Q4 ? 8 * xsum[r * nb + blk] : 0);
+      const __m256 xsc = _mm256_set1_ps(xs[r * nb + blk]);
+      const __m256 m0 = Q4 ? _mm256_mul_ps(g0, xsc) : xsc, m1 = Q4 ? _mm256_mul_ps(g1, xsc) : xsc;
+      float* a = acc + r * NR;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s0[r], off)), m0, _mm256_loadu_ps(a)));
+      _mm256_storeu_ps(a + 8,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1[r], off)), m1, _mm256_loadu_ps(a + 8)));
+    }
+  }
+  if (last)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < ncols; ++c)
+        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
+                         (res ? res[r * ldy + c] : 0.f);
+}
+
+template <bool Q4>
+void row_block_a8_avx2(int64_t R, const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, int64_t nb,
+                       const void* w, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last, float* y,
+                       int64_t ldy, int64_t ncols, const float* scale, const float* bias, const float* res) {
+  for (int64_t i = 0; i < R; i += 4) {
+    const int64_t r = std::min<int64_t>(4, R - i);
+    const float* rp = res ? res + i * ldy : nullptr;
+    auto run = [&](auto rows) {
+      micro_kernel_a8_avx2<decltype(rows)::value, Q4>(xq + i * K, xs + i * nb, xsum + i * nb, K, nb, w, gs, kc,
+                                                       acc + i * NR, first, last, y + i * ldy, ldy, ncols, scale,
+                                                       bias, rp);
+    };
+    switch (r) {
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      default: run(std::integral_constant<int, 1>());
+    }
+  }
+}
+
 // y = x @ W^T (+ bias) (+ res) over int8 panels (sa: per-column scales) or int4 panels (gs: group
 // scales), the activations quantized to int8 first (QuantX).
 template <bool Q4>
@@ -655,8 +759,10 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
     const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
     float* yp = ya + m * n + p * NR;
     const float* rp = res ? res + m * n + p * NR : nullptr;
-    if (g_vnni)
+    if (g_a8 == A8_VNNI)
       row_block_a8<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
+    else if (g_a8 == A8_AVX2)
+      row_block_a8_avx2<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
     else
       row_block_a8_portable<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
   });
@@ -1152,16 +1258,18 @@ bool set_isa(bool avx512) {
   return prev;
 }
 
-// Whether the int8-activation kernels use AVX512-VNNI (the caller checks the CPU's flags) or
-// their portable form. Returns the previous setting.
-bool set_vnni(bool vnni) {
-  const bool prev = g_vnni;
-  g_vnni = vnni;
+// Which form the int8-activation kernels use: "vnni" (the caller checks the CPU's flags), "avx2"
+// or "portable". Returns the previous setting.
+std::string set_a8(const std::string& form) {
+  static const char* names[] = {"portable", "avx2", "vnni"};
+  const std::string prev = names[g_a8];
+  check(form == "portable" || form == "avx2" || form == "vnni", "a8 form must be portable, avx2 or vnni");
+  g_a8 = form == "vnni" ? A8_VNNI : form == "avx2" ? A8_AVX2 : A8_PORTABLE;
   return prev;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_vnni", &set_vnni, "int8 activations on AVX512-VNNI (true) or in portable C++ (false)", py::arg("vnni"));
+  m.def("set_a8", &set_a8, "the int8-activation kernels' form: vnni, avx2 or portable", py::arg("form"));
   m.def("set_isa", &set_isa, "use the AVX-512 micro-kernels (true) or the AVX2 ones (false)", py::arg("avx512"));
   m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 and int4 panels with their scales)", py::arg("x"),
         py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none(), py::arg("a8") = false);
