@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-serve-vllm bench-ray bench-lossless vllm-venv llamacpp-venv
+.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-serve-vllm bench-ray bench-lossless vllm-venv llamacpp-venv llamacpp-avx2 bench-llamacpp bench-llamacpp-avx2
 
 setup: $(STAMP)  ## the library, CLI, server, evaluation and benchmarks (no Ray, no test tools)
 setup-dev: $(DEV_STAMP)  ## plus Ray Serve, pytest and the fuzzers
@@ -82,6 +82,26 @@ $(LLAMACPP_VENV)/.installed:
 	touch $@
 
 llamacpp-venv: $(LLAMACPP_VENV)/.installed
+
+# The same tree built for AVX2/FMA only (no AVX-512): what llama.cpp runs on an AVX2-only CPU,
+# for timing both engines' AVX2 code on any x86-64 machine (another 12 minutes on 2 cores).
+$(LLAMACPP_VENV)/build-avx2/bin/llama-server: $(LLAMACPP_VENV)/.installed
+	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build-avx2 -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VBMI=OFF \
+	  -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake --build $(LLAMACPP_VENV)/build-avx2 -j $$(nproc) --target llama llama-server llama-quantize
+
+llamacpp-avx2: $(LLAMACPP_VENV)/build-avx2/bin/llama-server
+
+bench-llamacpp: setup llamacpp-venv  ## skipdecode against llama.cpp, every dtype, batch 1/8/32: benchmarks/results/llamacpp.{json,md}
+	$(BIN)/skipdecode bench --llamacpp
+
+# What an AVX2-only CPU runs, on any x86-64 CPU: skipdecode's kernels in their AVX2 forms, oneDNN
+# capped at AVX2, against llama.cpp built for AVX2: benchmarks/results/llamacpp-avx2.{json,md}
+bench-llamacpp-avx2: setup llamacpp-avx2
+	SKIPDECODE_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/skipdecode bench --llamacpp --llamacpp-build build-avx2
 
 bench-serve: setup vllm-venv llamacpp-venv  ## skipdecode serve vs vllm serve and llama-server: benchmarks/results/serve.{json,md,png}
 	$(BIN)/skipdecode bench --serve

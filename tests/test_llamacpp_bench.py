@@ -26,6 +26,15 @@ def test_a_missing_llamacpp_venv_is_a_one_line_error_naming_the_make_target(tmp_
     assert err.startswith("skipdecode: error: ") and err.count("\n") == 1 and "make llamacpp-venv" in err, err
 
 
+def test_the_avx2_build_has_its_own_make_target_and_unknown_builds_are_refused(tmp_path):
+    from skipdecode.errors import SkipDecodeError
+
+    with pytest.raises(LlamaCppMissing, match="make llamacpp-venv` then `make llamacpp-avx2"):
+        llamacpp_paths(tmp_path / "nowhere", "build-avx2")
+    with pytest.raises(SkipDecodeError, match="unknown llama.cpp build 'build-avx512'"):
+        llamacpp_paths(VENV, "build-avx512")
+
+
 def test_step_bytes_count_every_linear_and_the_head_in_its_stored_dtype(tiny_dirs):
     from skipdecode import LLM
 
@@ -79,3 +88,18 @@ def test_llamacpp_f32_decodes_the_same_greedy_tokens_as_skipdecode(default_llm, 
     for b in ("1", "2"):  # one repeat: the 15 decode steps' seconds
         (t,) = got["batches"][b]["t_decode"]
         assert 0 < t < 60
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (VENV / "build-avx2" / "bin" / "llama-server").is_file(),
+                    reason="llama.cpp's AVX2 build not made here (make llamacpp-avx2)")
+def test_llamacpp_avx2_build_runs_without_avx512_and_decodes_the_same_tokens(default_llm):
+    """The AVX2 build is what an AVX2-only CPU runs: llama.cpp itself reports no AVX-512, and it
+    decodes what the native build does."""
+    ggufs = llamacpp.make_ggufs(default_llm.path, ["f32"], VENV)
+    ids = [default_llm.encode("Write one sentence describing this restaurant: name[The Eagle], food[Japanese].")]
+    got = {b: llamacpp.run_llamacpp(llamacpp_paths(VENV, b), ggufs["f32"], ids, [1], 12, 1, torch.get_num_threads())
+           for b in ("build", "build-avx2")}
+    info = got["build-avx2"]["system_info"]
+    assert "AVX2 = 1" in info and "AVX512" not in info.replace("AVX512 = 0", ""), info
+    assert got["build-avx2"]["tokens"] == got["build"]["tokens"]

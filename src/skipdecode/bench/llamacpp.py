@@ -45,15 +45,24 @@ class LlamaCppMissing(SkipDecodeError):
     """The llama.cpp virtualenv is not built."""
 
 
-def llamacpp_paths(venv: str | os.PathLike = LLAMACPP_VENV) -> dict[str, Path]:
-    """The pieces ``make llamacpp-venv`` builds, or a clear error naming the make target."""
+BUILDS = {"build": "llamacpp-venv", "build-avx2": "llamacpp-avx2"}  # build folder -> the make target that makes it
+
+
+def llamacpp_paths(venv: str | os.PathLike = LLAMACPP_VENV, build: str = "build") -> dict[str, Path]:
+    """The pieces ``make llamacpp-venv`` builds, or a clear error naming the make target.
+    ``build``: ``build`` (the machine's native ISA) or ``build-avx2`` (AVX2/FMA only, ``make
+    llamacpp-avx2``: what llama.cpp runs on a CPU without AVX-512)."""
+    if build not in BUILDS:
+        raise SkipDecodeError(f"unknown llama.cpp build {build!r}: one of {', '.join(BUILDS)}")
     v = Path(venv).resolve()
-    paths = {"python": v / "bin" / "python", "lib": v / "build" / "bin", "src": v / "src" / "vendor" / "llama.cpp",
-             "quantize": v / "build" / "bin" / "llama-quantize", "server": v / "build" / "bin" / "llama-server"}
+    b = v / build / "bin"
+    paths = {"python": v / "bin" / "python", "lib": b, "src": v / "src" / "vendor" / "llama.cpp",
+             "quantize": b / "llama-quantize", "server": b / "llama-server"}
     missing = [str(p) for k, p in paths.items() if not p.exists()]
     if missing or not (v / ".installed").is_file():
+        targets = "`make llamacpp-venv`" + (f" then `make {BUILDS[build]}`" if build != "build" else "")
         raise LlamaCppMissing(f"llama.cpp is not built in {v} (missing: {', '.join(missing) or '.installed'}); "
-                              "run `make llamacpp-venv` (about 12 minutes on 2 cores)")
+                              f"run {targets} (about 12 minutes each on 2 cores)")
     return paths
 
 
@@ -150,8 +159,11 @@ def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch
 def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
                        batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
                        new_tokens: int | None = None, repeats: int | None = None, dtypes: list[str] | None = None,
-                       venv: str | os.PathLike = LLAMACPP_VENV) -> dict:
-    paths = llamacpp_paths(venv)
+                       venv: str | os.PathLike = LLAMACPP_VENV, build: str = "build") -> dict:
+    """Writes ``llamacpp.{json,md}``, or ``llamacpp-avx2.*`` where skipdecode's kernels run their
+    AVX2 form (an AVX2-only CPU, or ``SKIPDECODE_ISA=avx2``; pair it with ``build="build-avx2"``
+    to time llama.cpp's AVX2 code as well)."""
+    paths = llamacpp_paths(venv, build)
     batch_sizes = batch_sizes or ([1, 8] if quick else [1, 8, 32])
     speedups = speedups or [1.0, 2.0, 3.0]
     if 1.0 not in speedups:
@@ -179,7 +191,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             for s in schedules.values():
                 o.run(s, 4)
     peer_tokens: dict[str, list[int]] = {}
-    version = None
+    version = system_info = None
     from tqdm import tqdm
 
     for _ in tqdm(range(R), desc="skipdecode bench --llamacpp", unit="round", file=sys.stderr, disable=None,
@@ -192,7 +204,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
         bw = max(bw, read_bandwidth_gbs(repeats=3, probe=probe))
         for t, path in ggufs.items():
             got = run_llamacpp(paths, path, ids_all, batch_sizes, N, 1, threads)
-            version = got["version"]
+            version, system_info = got["version"], got.get("system_info")
             peer_tokens[t] = got["tokens"]
             for B, tt in got["batches"].items():
                 t_dec.setdefault((f"llama.cpp-{t}", int(B), 1.0), []).extend(tt["t_decode"])
@@ -226,8 +238,11 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
         agree[t] = k
     from .. import kernels
 
+    kernels_isa = kernels.isa() if base.model.kernels is not None else None
     settings = {"model": model, "model_path": str(base.path), "num_layers": L, "new_tokens": N, "repeats": R,
-                "kernels_isa": kernels.isa() if base.model.kernels is not None else None,
+                "kernels_isa": kernels_isa, "a8_form": kernels.a8_form() if kernels_isa else None,
+                "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                "llamacpp_build": build, "llamacpp_system_info": system_info,
                 "quick": quick, "threads": threads, "dtypes": dtypes, "llamacpp_types": types, "greedy": True,
                 "eos_ignored": True, "prompt_tokens": [len(x) for x in encoded], "llama_cpp_python": version,
                 "ggufs": {t: {"file": str(p), "bytes": p.stat().st_size} for t, p in ggufs.items()},
@@ -235,7 +250,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 "greedy_tokens_agreeing_with_skipdecode": {"reference": dtypes[0], "of": N, **agree},
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     report = {"machine": machine_info(), "settings": settings, "results": results}
-    write_report(out_dir, "llamacpp-quick" if quick else "llamacpp", report, render_markdown)
+    name = "llamacpp" + ("-avx2" if kernels_isa == "avx2" else "") + ("-quick" if quick else "")
+    write_report(out_dir, name, report, render_markdown)
     for r in results:
         log(f"B={r['batch_size']:<3} {r['engine']:<17} {r['speedup_target']:g}x {r['ms_per_step']:8.2f} ms/step "
             f"{r['decode_tokens_per_s']:8.1f} tok/s" + (f"  {r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}"
@@ -247,15 +263,25 @@ def render_markdown(report: dict) -> str:
     m, s = report["machine"], report["settings"]
     feats = m.get("cpu_features", {})
     agree = {k: v for k, v in s["greedy_tokens_agreeing_with_skipdecode"].items() if k not in ("reference", "of")}
+    build = s.get("llamacpp_build", "build")
+    avx2 = s.get("kernels_isa") == "avx2"
+    command = ("make bench-llamacpp-avx2" if avx2 and build == "build-avx2" else
+               f"skipdecode bench --llamacpp{' --quick' if s['quick'] else ''}"
+               + (f" --llamacpp-build {build}" if build != "build" else ""))
+    llama_isa = ("with AVX2/FMA only (`make llamacpp-avx2`)" if build == "build-avx2"
+                 else "with its native ISA (`make llamacpp-venv`)")
     lines = [
-        "# Decode speed: skipdecode against llama.cpp",
+        "# Decode speed: skipdecode against llama.cpp" + (", AVX2 forms" if avx2 else ""),
         "",
-        f"Produced by `skipdecode bench --llamacpp{' --quick' if s['quick'] else ''}` on {m['date']}.",
+        f"Produced by `{command}` on {m['date']}.",
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {s['threads']} threads for both engines, {m['platform']}",
         f"- ISA: {', '.join(feats.get('isa', [])) or 'unknown'} (oneDNN bf16 {'yes' if feats.get('onednn_bf16') else 'no'});"
-        f" skipdecode's kernels in their {s.get('kernels_isa') or 'no'} form; llama.cpp built here with its native "
-        "ISA (`make llamacpp-venv`)",
+        f" skipdecode's kernels in their {s.get('kernels_isa') or 'no'} form"
+        + (f" (int8 activations: {s['a8_form']})" if s.get("a8_form") else "")
+        + (f", oneDNN capped at {s['onednn_max_cpu_isa']}" if s.get("onednn_max_cpu_isa") else "")
+        + f"; llama.cpp built here {llama_isa}"
+        + (f"; llama.cpp reports `{s['llamacpp_system_info']}`" if s.get("llamacpp_system_info") else ""),
         f"- Versions: torch {m['torch']}, skipdecode {m['skipdecode']}, llama-cpp-python {s['llama_cpp_python']}",
         f"- Model: `{s['model']}` ({s['num_layers']} layers); GGUFs made from the same Hugging Face directory by "
         "llama.cpp's converter (F32) and `llama-quantize` (Q8_0, Q4_0, llama.cpp's default tensor choices): "

@@ -87,7 +87,8 @@ def main() -> None:
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    print(json.dumps({"batches": res, "tokens": tokens, "version": L.__version__}))
+    print(json.dumps({"batches": res, "tokens": tokens, "version": L.__version__,
+                      "system_info": L.llama_print_system_info().decode().strip()}))
 
 
 if __name__ == "__main__":
