@@ -659,7 +659,7 @@ static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const
   if (first)
     for (int r = 0; r < R; ++r) std::fill(acc + r * NR, acc + (r + 1) * NR, 0.f);
   for (int64_t b = 0; b < kc; b += QB) {
-    __m256i s0[R], s1[R];
+    __m256i s0[R], s1[R];  // int32 sums (int8); int4: int16 pair sums until the block ends
     for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
     for (int64_t k = b; k < b + QB; k += 4) {
       __m256i w0, w1;
@@ -677,19 +677,23 @@ static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const
       }
       for (int r = 0; r < R; ++r) {
         const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + k));
-        __m256i p0, p1;
-        if constexpr (Q4) {
-          p0 = _mm256_maddubs_epi16(w0, xb);
-          p1 = _mm256_maddubs_epi16(w1, xb);
+        if constexpr (Q4) {  // a pair is at most 2 * 15 * 127 = 3810: 8 of them fit int16
+          s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(w0, xb));
+          s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(w1, xb));
         } else {
           const __m256i ax = _mm256_abs_epi8(xb);
-          p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
-          p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+          const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+          const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+          s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(p0, ones));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(p1, ones));
         }
-        s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(p0, ones));
-        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(p1, ones));
       }
     }
+    if constexpr (Q4)
+      for (int r = 0; r < R; ++r) {
+        s0[r] = _mm256_madd_epi16(s0[r], ones);
+        s1[r] = _mm256_madd_epi16(s1[r], ones);
+      }
     const int64_t blk = b / QB;
     __m256 g0 = _mm256_set1_ps(1.f), g1 = g0;
     if constexpr (Q4) {
