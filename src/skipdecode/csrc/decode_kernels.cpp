@@ -57,6 +57,17 @@ static inline void load_w(const int8_t* w, __m256& w0, __m256& w1) {
   w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8))));
 }
 
+// The finished sums of R rows of one panel (acc, NR per row) into y: times the column scale
+// (int8 weight-only), plus bias, plus the residual (res may be y itself), for its ncols columns.
+// Every micro-kernel ends with this on its last K block.
+static inline void store_rows(int64_t R, const float* acc, float* y, int64_t ldy, int64_t ncols, const float* scale,
+                              const float* bias, const float* res) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < ncols; ++c)
+      y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
+                       (res ? res[r * ldy + c] : 0.f);
+}
+
 // rows x 16 outputs of one panel over one K block. `acc` holds the partial
 // sums between K blocks; on the last block the result (x scale, + bias) goes to y.
 // Below 4 rows there are too few accumulators to hide the FMA latency (2R
@@ -108,11 +119,7 @@ static inline void micro_kernel(const float* x, int64_t ldx, const W* w, int64_t
     _mm256_storeu_ps(acc + r * NR, a0[0][r]);
     _mm256_storeu_ps(acc + r * NR + 8, a1[0][r]);
   }
-  if (last)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
-                         (res ? res[r * ldy + c] : 0.f);
+  if (last) store_rows(R, acc, y, ldy, ncols, scale, bias, res);
 }
 
 // One row block. The micro-kernels stay plain `static inline`: marked
@@ -194,10 +201,7 @@ static inline void micro_kernel_q4(const float* x, int64_t ldx, const uint8_t* w
       _mm256_storeu_ps(acc + r * NR + 8, _mm256_fmadd_ps(t1[0][r], s1, b1));
     }
   }
-  if (last)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = acc[r * NR + c] + (bias ? bias[c] : 0.f) + (res ? res[r * ldy + c] : 0.f);
+  if (last) store_rows(R, acc, y, ldy, ncols, nullptr, bias, res);
 }
 
 inline void row_block_q4(int64_t r, const float* x, int64_t K, const uint8_t* w, const uint16_t* s, int64_t kc,
@@ -234,11 +238,7 @@ template <int R>
 SD_AVX512 static inline void finish512(__m512* a, float* acc, bool last, float* y, int64_t ldy, int64_t ncols,
                                        const float* scale, const float* bias, const float* res) {
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * NR, a[r]);
-  if (last)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
-                         (res ? res[r * ldy + c] : 0.f);
+  if (last) store_rows(R, acc, y, ldy, ncols, scale, bias, res);
 }
 
 // U independent accumulator sets so that R * U >= 8 FMA chains are in flight.
@@ -321,10 +321,7 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
       _mm512_storeu_ps(acc + r * NR, _mm512_fmadd_ps(t[0][r], sc, base));
     }
   }
-  if (last)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = acc[r * NR + c] + (bias ? bias[c] : 0.f) + (res ? res[r * ldy + c] : 0.f);
+  if (last) store_rows(R, acc, y, ldy, ncols, nullptr, bias, res);
 }
 
 SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const uint8_t* w, const uint16_t* s, int64_t kc,
@@ -634,10 +631,7 @@ void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const i
       }
     }
     for (int64_t c = 0; c < NR; ++c) acc[r * NR + c] = f[c];
-    if (last)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
-                         (res ? res[r * ldy + c] : 0.f);
+    if (last) store_rows(1, acc + r * NR, y + r * ldy, ldy, ncols, scale, bias, res ? res + r * ldy : nullptr);
   }
 }
 
@@ -712,11 +706,7 @@ static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const
                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1[r], off)), m1, _mm256_loadu_ps(a + 8)));
     }
   }
-  if (last)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < ncols; ++c)
-        y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
-                         (res ? res[r * ldy + c] : 0.f);
+  if (last) store_rows(R, acc, y, ldy, ncols, scale, bias, res);
 }
 
 template <bool Q4>
@@ -1265,10 +1255,11 @@ bool set_isa(bool avx512) {
 // Which form the int8-activation kernels use: "vnni" (the caller checks the CPU's flags), "avx2"
 // or "portable". Returns the previous setting.
 std::string set_a8(const std::string& form) {
-  static const char* names[] = {"portable", "avx2", "vnni"};
+  static const std::string names[] = {"portable", "avx2", "vnni"};  // indexed by A8Form
   const std::string prev = names[g_a8];
-  check(form == "portable" || form == "avx2" || form == "vnni", "a8 form must be portable, avx2 or vnni");
-  g_a8 = form == "vnni" ? A8_VNNI : form == "avx2" ? A8_AVX2 : A8_PORTABLE;
+  const auto it = std::find(std::begin(names), std::end(names), form);
+  check(it != std::end(names), "a8 form must be portable, avx2 or vnni");
+  g_a8 = static_cast<int>(it - std::begin(names));
   return prev;
 }
 
