@@ -30,6 +30,10 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     full, skip = rows[("skipdecode", 1.0)], rows[("skipdecode", 2.0)]
     assert full["decode_layer_speedup"] == 1.0 and skip["decode_layer_speedup"] > 1.5
     assert 1 < skip["predicted_speedup"] < skip["decode_layer_speedup"]
+    # the cost model's line runs through full depth and the engine's one-layer step, both timed here
+    per_layer = (full["ms_per_step"] - skip["one_layer_ms_per_step"]) / (saved["settings"]["num_layers"] - 1)
+    assert skip["fixed_ms_per_step"] == pytest.approx(skip["one_layer_ms_per_step"] - per_layer, abs=0.011)
+    assert 0 < skip["fixed_ms_per_step"] < skip["one_layer_ms_per_step"] < full["ms_per_step"]
     # the floor is timed apart from the step; where matmuls are ~90% of a step (no AMX, batch 2),
     # 16 tokens of noise can put it a few percent above: a floor twice the step would be a wrong floor
     assert 0 < full["matmul_ms_per_step"] < 1.25 * full["ms_per_step"]

@@ -45,12 +45,10 @@ ATTRS = [
 PROMPTS = [f"Write one sentence describing this restaurant: {a}." for a in ATTRS]
 
 
-def _best_time(fn, repeats: int, before=None) -> float:
-    """Best seconds of ``repeats`` calls of ``fn``; ``before`` (untimed) runs ahead of each."""
+def _best_time(fn, repeats: int) -> float:
+    """Best seconds of ``repeats`` calls of ``fn``."""
     times = []
     for _ in range(repeats):
-        if before is not None:
-            before()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -87,19 +85,6 @@ class _Ours:
         """Generate ``new_tokens`` for every row; the batch stats (``decode_seconds``: the steps after
         the one that prefills every prompt and gives each its first token)."""
         return generate_tokens(self.llm.model, self.ids, schedule, new_tokens, eos_token_ids=())[1]
-
-    def fixed_step_seconds(self, repeats: int) -> float:
-        """One decode step that runs no layer: embedding + final norm + LM head, each call after
-        streaming a buffer larger than the caches. In a real step the head runs after every layer's
-        weights went through the caches; timed back to back, a head that fits the L3 (int8, int4)
-        stays there, the fixed part reads too small and the predicted speedup too large."""
-        net, B = self.llm.model, len(self.ids)
-        tok, pos = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-        evict = torch.ones(2**25)  # 128 MB
-        with torch.inference_mode():
-            f = lambda: net.decode(tok, pos, [None] * net.n_layers, [])  # noqa: E731
-            f()
-            return _best_time(f, repeats * 5, before=evict.sum)
 
     def matmul_step_seconds(self, repeats: int) -> float:
         """Only the matrix multiplications of one full-depth decode step (every
@@ -182,6 +167,7 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
     on_kernels = llm.model.kernels is not None
     llm_onednn = LLM.load(model, use_kernels=False) if on_kernels else None
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
+    one_layer = SkipSchedule(L, 1, 1, horizon=1, warmup_layers=0)  # every generated token runs the last layer only
     encoded = [llm.encode(p) for p in PROMPTS]
     blk = llm.model.layers[0]
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
@@ -208,18 +194,26 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
         onednn = _Ours(llm_onednn, ids) if llm_onednn else None
         hf = _HF(llm.path, llm.tokenizer, ids) if with_transformers else None
         for o in ours.values():  # warm-up
-            for sched in schedules.values():
+            for sched in [*schedules.values(), one_layer]:
                 o.run(sched, 4)
         if onednn:
             onednn.run(schedules[1.0], 4)
         if hf:
             hf.run(4)
-        t_n: dict[str, list[float]] = {}
-        t_1: dict[str, list[float]] = {}
+        t_dec: dict[str, list[float]] = {}  # seconds of the N - 1 decode steps, per round
+        t_pre: dict[str, list[float]] = {}  # seconds of the prefill and first token, per round
+        peer_n: dict[str, list[float]] = {}  # a peer's whole run of N tokens, per round
 
-        def time_both(key: str, run) -> None:
-            """One timing of ``run(N)`` and one of ``run(1)`` under ``key``."""
-            for n, store in ((N, t_n), (1, t_1)):
+        def time_ours(key: str, o: _Ours, sched: SkipSchedule) -> None:
+            """One generation of N tokens, its decode steps timed inside the engine's loop."""
+            st = o.run(sched, N)
+            t_dec.setdefault(key, []).append(st["decode_seconds"])
+            t_pre.setdefault(key, []).append(st["prefill_seconds"])
+
+        def time_peer(key: str, run) -> None:
+            """A peer timed from outside: one ``run(N)`` and one ``run(1)``; its decode time is
+            the best of the first less the best of the second."""
+            for n, store in ((N, peer_n), (1, t_pre)):
                 t = time.perf_counter()
                 run(n)
                 store.setdefault(key, []).append(time.perf_counter() - t)
@@ -227,40 +221,48 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
         for _ in range(R):  # interleaved rounds so drift hits every system alike
             for dt, o in ours.items():
                 for sp, sched in schedules.items():
-                    time_both(f"{ENGINE_NAMES[dt]}:{sp}", lambda n, s=sched, o=o: o.run(s, n))
+                    time_ours(f"{ENGINE_NAMES[dt]}:{sp}", o, sched)
+                time_ours(f"{ENGINE_NAMES[dt]}:one-layer", o, one_layer)
             if onednn:
-                time_both("skipdecode-onednn:1.0", lambda n: onednn.run(schedules[1.0], n))
+                time_ours("skipdecode-onednn:1.0", onednn, schedules[1.0])
             if hf:
-                time_both("transformers:1.0", hf.run)
+                time_peer("transformers:1.0", hf.run)
             bar.set_postfix_str(f"batch {B}")
             bar.update()
-        fixed = {ENGINE_NAMES[dt]: o.fixed_step_seconds(R) * 1000 for dt, o in ours.items()}
+        for key, tn in peer_n.items():
+            t_dec[key] = [min(tn) - min(t_pre[key])]
         matmul_ms = ours["float32"].matmul_step_seconds(R) * 1000
+        # the cost model's two ends, per dtype: a decode step at full depth and one running a single layer
+        one_ms = {e.split(":")[0]: min(t) / (N - 1) * 1000 for e, t in t_dec.items() if e.endswith(":one-layer")}
         rows = {}
-        for key in t_n:
+        for key in t_dec:
             engine, sp = key.split(":")
-            dec = min(t_n[key]) - min(t_1[key])  # best of the repeats: the least disturbed run
+            if sp == "one-layer":
+                continue
+            dec = min(t_dec[key])  # best of the repeats: the least disturbed run
             if dec <= 0:
                 raise RuntimeError(f"{key} at batch {B}: {N} new tokens took no longer than 1 "
-                                   f"({min(t_n[key]):.3f} vs {min(t_1[key]):.3f} s): timing noise exceeds the "
+                                   f"(decode {dec:.3f} s): timing noise exceeds the "
                                    "decode time; run on a quieter machine or with more --new-tokens")
             ms = dec / (N - 1) * 1000
             sched = schedules[float(sp)] if engine.startswith("skipdecode") else SkipSchedule.full_depth(L)
             rows[key] = {"engine": engine, "batch_size": B, "speedup_target": float(sp),
                          "decode_layer_speedup": round(sched.decode_layer_speedup(N), 4),
                          "decode_tokens_per_s": round(B * (N - 1) / dec, 2), "ms_per_step": round(ms, 2),
-                         "prefill_seconds": round(min(t_1[key]), 4)}
+                         "prefill_seconds": round(min(t_pre[key]), 4)}
         for key, r in rows.items():
             e = r["engine"]
-            if e in fixed:
+            if e in one_ms:
                 full = rows[f"{e}:1.0"]["ms_per_step"]
-                per_layer = (full - fixed[e]) / L
+                per_layer = (full - one_ms[e]) / (L - 1)
+                fixed = one_ms[e] - per_layer  # everything a step does besides its layers
                 mean_b = L / r["decode_layer_speedup"]
-                predicted = full / (fixed[e] + mean_b * per_layer)
+                predicted = full / (fixed + mean_b * per_layer)
                 measured = full / r["ms_per_step"]
                 if r["speedup_target"] == 1.0 and e == "skipdecode":
                     r["matmul_ms_per_step"] = round(matmul_ms, 2)
-                r.update(fixed_ms_per_step=round(fixed[e], 2), predicted_speedup=round(predicted, 3),
+                r.update(one_layer_ms_per_step=round(one_ms[e], 2), fixed_ms_per_step=round(fixed, 2),
+                         predicted_speedup=round(predicted, 3),
                          measured_speedup=round(measured, 3),
                          measured_over_predicted=round(measured / predicted, 3))
                 if e != "skipdecode":
@@ -330,10 +332,12 @@ def render_markdown(report: dict) -> str:
         f"- fp32 decodes on: {s.get('decode_kernels', 'oneDNN + torch')}."
         + (" `skipdecode-onednn` is the same engine with the compiled kernels off (oneDNN linears, torch's norm "
            "and attention), at full depth." if s.get("decode_kernels", "").startswith("skipdecode") else ""),
-        "- Decode time = t(N new tokens) - t(1 new token), over N-1 steps, for every engine.",
-        "- Predicted speedup: cost model `fixed + b * per_layer` per dtype, `fixed` = a measured step that runs "
-        "no layer (embedding, final norm, LM head), each time after streaming 128 MB so that the head comes "
-        "from memory as in a real step.",
+        "- Decode time: the N-1 steps after the prefill and first token; skipdecode's timed inside its "
+        "generation loop, transformers' and vLLM's as t(N new tokens) - t(1 new token).",
+        "- Predicted speedup: cost model `fixed + b * per_layer` per dtype, a straight line through two engine "
+        "decode steps timed in the same rounds: full depth and a schedule that runs one layer per generated "
+        "token (`fixed`: all a step does besides its layers: embedding, final norm, LM head, sampling, the "
+        "engine's scheduling). Measured over predicted below 1 means skipped layers saved less than their share.",
     ]
     if s.get("vllm_note"):
         lines.append(f"- {s['vllm_note']}")
