@@ -32,6 +32,9 @@ ev untrained default --speedups 1,2,3,4,5
 # nested layer sets by measured influence: the shipped recipe with --mode nested
 scored default-e2e-nested || train default-e2e-nested recipes/default-e2e-nested.yaml
 ev default-e2e-nested runs/default-e2e-nested --speedups 1,2,3,4,5
+# the same with the layer order measured by greedy removal (SLEB-style) instead of Block Influence
+scored default-e2e-nested-removal || train default-e2e-nested-removal recipes/default-e2e-nested-removal.yaml
+ev default-e2e-nested-removal runs/default-e2e-nested-removal --speedups 1,2,3,4,5
 # The full-depth-only reference, early exit and static drop to 15 layers take hours on 2 CPU
 # cores: benchmarks/quality_heldout_gpu.sh trains them on one GPU (train --device cuda), with the
 # shipped recipe retrained there as the same-hardware control and both again at seeds 1 and 2;

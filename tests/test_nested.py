@@ -15,7 +15,7 @@ import torch
 from conftest import build_deep_llama, drive
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import Engine, EngineConfig
-from skipdecode.policies.importance import answer_influence, block_influence, nested_order
+from skipdecode.policies.importance import answer_influence, block_influence, nested_order, removal_order
 from skipdecode.policies.select import schedule_for_speedup
 from skipdecode.reference import naive_generate
 from skipdecode.schedule import ScheduleError, SkipSchedule, layers_for_budget
@@ -110,6 +110,49 @@ def test_block_influence_ranks_a_layer_that_changes_nothing_last(deep):
     # the answer positions of (prompt, target) are the tail of prompt + target[:-1]
     tails = block_influence(net, [p + t[:-1] for p, t in items], [len(p) - 1 for p, _ in items])
     assert tails == bi and block_influence(net, [p + t[:-1] for p, t in items]) != bi
+
+
+def _answer_loss_by_full_recompute(net, items, removed):
+    """The slow reference: every item alone, prompt + answer in one forward pass, the removed
+    layers skipped from the first answer input on; mean cross-entropy of answer tokens 1..n-1."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for p, t in items:
+            tok = torch.tensor([p + t[:-1]])
+            T, P = tok.shape[1], len(p)
+            logits = net(tok, torch.arange(T)[None], [P if l in removed else T for l in range(L)])[0]
+            total += float(torch.nn.functional.cross_entropy(logits[P:].float(), torch.tensor(t[1:]),
+                                                             reduction="sum"))
+            n += len(t) - 1
+    return total / n
+
+
+def _items(seed, lens=(4, 9, 6, 7), answer=(5, 3, 8, 2)):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(3, VOCAB, (n,), generator=g).tolist(), torch.randint(3, VOCAB, (m,), generator=g).tolist())
+            for n, m in zip(lens, answer)]
+
+
+def test_removal_order_is_greedy_removal_by_answer_loss_against_a_full_recompute(deep):
+    from skipdecode.policies.importance import _answer_loss_fn
+
+    net, _ = deep
+    items = _items(1)
+    loss = _answer_loss_fn(net, items, batch_size=3)  # padded batches, prompts' keys/values computed once
+    for removed in (frozenset(), frozenset({3}), frozenset({0, 5, 9})):
+        assert loss(removed) == pytest.approx(_answer_loss_by_full_recompute(net, items, removed), rel=1e-4)
+    order, at = removal_order(net, items, batch_size=3, keep=4)
+    assert sorted(order) == list(range(L)) and len(at) == L - 4
+    kept, removed = order[:4], list(reversed(order[4:]))
+    assert list(kept) == sorted(kept)  # the layers that stay lead, in depth order
+    gone: set[int] = set()
+    for i, l in enumerate(removed):  # each step removes the layer that raises the loss least, given the ones gone
+        cand = {c: _answer_loss_by_full_recompute(net, items, gone | {c}) for c in range(L) if c not in gone}
+        assert cand[l] == pytest.approx(min(cand.values()), rel=1e-4)
+        assert at[i] == pytest.approx(cand[l], rel=1e-4)
+        gone.add(l)
+    with pytest.raises(Exception, match="keep must be"):
+        removal_order(net, items, keep=0)
 
 
 def test_a_nested_checkpoint_uses_its_measured_order_unless_told_otherwise():

@@ -389,6 +389,26 @@ def test_nested_mode_measures_the_layer_order_on_the_base_and_generation_keeps_i
     assert done.active_layers[1] == sched.layers(1)
 
 
+def test_nested_mode_can_measure_the_order_by_greedy_removal(tmp_path, tiny_text, e2e_csv):
+    from skipdecode.data import load_task
+    from skipdecode.policies.importance import removal_order
+    from skipdecode.tokenization import load_tokenizer
+    from skipdecode.training.batch import _tokenize
+
+    out = tmp_path / "nested-removal"
+    train(_run_cfg(tiny_text, e2e_csv, out, lora=True, lora_r=4, steps=1, mode="nested", importance="removal",
+                   importance_examples=6, speedups=[1.0, 3.0], eval_examples=0))
+    meta = json.loads((out / "skipdecode.json").read_text())
+    base, _ = load_model(tiny_text)  # measured on the base, before any update, on the first examples
+    items, _ = _tokenize(load_tokenizer(tiny_text), load_task(str(e2e_csv), val_groups=1, seed=0).train, None,
+                         base.cfg.max_position)
+    want, loss = removal_order(base, items[:6])
+    assert tuple(meta["schedules"]["3x"]["layer_order"]) == want
+    assert meta["removal_loss"] == pytest.approx(loss, rel=1e-5) and "layer_influence" not in meta
+    with pytest.raises(TrainError, match="importance must be"):
+        _run_cfg(tiny_text, e2e_csv, out, mode="nested", importance="cosine").validate()
+
+
 def test_lora_norms_train_the_norm_weights_and_load_back_exactly(tmp_path, tiny_text, e2e_csv, monkeypatch):
     monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path / "cache"))  # its merge stays out of the user's cache
     from peft import PeftModel

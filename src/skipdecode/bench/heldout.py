@@ -72,6 +72,8 @@ def heldout_rows() -> list[HeldoutRow]:
         HeldoutRow("default-e2e, adaptive budgets", "default-e2e-adaptive", "default-e2e",
                    targets=(2.0, 3.0, 4.0), adaptive=True),
         HeldoutRow("nested layer sets by measured influence", "default-e2e-nested", "runs/default-e2e-nested"),
+        HeldoutRow("nested layer sets by greedy removal", "default-e2e-nested-removal",
+                   "runs/default-e2e-nested-removal"),
         HeldoutRow(EARLY_EXIT, "early-exit", "runs/heldout-early-exit"),
         HeldoutRow(STATIC_DROP, "drop", "runs/heldout-drop", targets=(2.0, 3.0, 5.0), static=True),
         HeldoutRow(SHIPPED_05B, "qwen2.5-coder-0.5b-e2e", "qwen2.5-coder-0.5b-e2e", base="qwen2.5-coder-0.5b"),

@@ -14,11 +14,15 @@ the layers defines such a family (budget ``b`` runs the first ``b`` layers of
 the order, in depth order); "skip the bottom" is one order, early exit another.
 ``nested_order`` puts the most influential layers first, measured on the
 positions that skipping affects: those that predict answer tokens.
+``removal_order`` measures what removing layers does instead: it takes layers
+away one at a time, each time the one whose absence (with those already gone)
+raises the answer tokens' loss least (SLEB, Song et al. 2024, by perplexity),
+so the family it defines is the one greedy search finds, budget by budget.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -73,3 +77,94 @@ def nested_order(influence: Sequence[float]) -> tuple[int, ...]:
     """Layers by decreasing influence (ties: the deeper layer first): budget ``b`` runs the
     first ``b`` of them."""
     return tuple(sorted(range(len(influence)), key=lambda i: (-influence[i], -i)))
+
+
+class _PrefixKV:
+    """The prompt's keys/values per layer, computed once at full depth; an answer chunk
+    attends to them and to its own (nothing it computes is stored)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.recording = True
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recording:
+            self.kv[layer] = (k, v)
+            return k, v
+        pk, pv = self.kv[layer]
+        return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+
+
+def _answer_loss_fn(net: Transformer, items: Sequence[tuple[Sequence[int], Sequence[int]]],
+                    batch_size: int) -> Callable[[frozenset[int]], float]:
+    """``loss(removed)``: mean cross-entropy of the answer tokens after the first when the
+    layers in ``removed`` do not run at answer positions (the prompt, and the last prompt
+    position that predicts the first answer token, stay at full depth, as in decoding)."""
+    L = len(net.layers)
+    batches = []
+    for i in range(0, len(items), batch_size):
+        chunk = [(list(p), list(t)) for p, t in items[i:i + batch_size] if p and len(t) > 1]
+        if not chunk:
+            continue
+        # prompts left-padded to end at column t0 - 1; answers (all but their last token) from t0 on
+        B, t0, n = len(chunk), max(len(p) for p, _ in chunk), max(len(t) for _, t in chunk) - 1
+        prompt = torch.zeros(B, t0, dtype=torch.long)
+        answer = torch.zeros(B, n, dtype=torch.long)
+        labels = torch.full((B, n), -100, dtype=torch.long)
+        pad = torch.tensor([t0 - len(p) for p, _ in chunk])
+        for r, (p, t) in enumerate(chunk):
+            prompt[r, t0 - len(p):] = torch.tensor(p)
+            answer[r, :len(t) - 1] = torch.tensor(t[:-1])
+            labels[r, :len(t) - 1] = torch.tensor(t[1:])
+        cols = torch.arange(t0 + n)[None]
+        positions = (cols - pad[:, None]).clamp(min=0)
+        kv = cols >= pad[:, None]
+        cache = _PrefixKV()
+        net(prompt, positions[:, :t0], cache=cache, key_valid=kv[:, :t0], last_only=True)
+        cache.recording = False
+        batches.append((answer, positions[:, t0:], kv, t0, cache, labels))
+    if not batches:
+        raise SkipDecodeError("no answer of two or more tokens to measure layer removal on")
+    n = sum(int((lab != -100).sum()) for *_, lab in batches)
+
+    def loss(removed: frozenset[int]) -> float:
+        total = 0.0
+        for tok, pos, kv, t0, cache, labels in batches:
+            T = tok.shape[1]
+            logits = net(tok, pos, [0 if l in removed else T for l in range(L)], cache=cache, start=t0,
+                         key_valid=kv)
+            total += float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                                             ignore_index=-100, reduction="sum"))
+        return total / n
+
+    return loss
+
+
+@torch.no_grad()
+def removal_order(net: Transformer, items: Sequence[tuple[Sequence[int], Sequence[int]]],
+                  batch_size: int = 16, keep: int = 1) -> tuple[tuple[int, ...], list[float]]:
+    """Layers, most important first, by greedy removal on ``(prompt_ids, target_ids)`` pairs:
+    repeatedly drop the layer whose removal at answer positions raises the answer loss least,
+    until ``keep`` layers remain (those come first, in depth order). Returns the order and
+    the answer loss at each budget from ``L - 1`` down to ``keep`` (entry ``i``: budget ``L - 1 - i``).
+    About ``L**2 / 2`` passes over the answers alone (the prompts' keys/values are computed once):
+    minutes for a 30-layer 135M model on 32 items on 2 cores."""
+    L = len(net.layers)
+    if not 1 <= keep <= L:
+        raise SkipDecodeError(f"keep must be an integer in [1, {L}], got {keep!r}")
+    was = net.training
+    net.eval()
+    try:
+        loss = _answer_loss_fn(net, items, batch_size)
+        removed: list[int] = []
+        at: list[float] = []
+        while L - len(removed) > keep:
+            gone = frozenset(removed)
+            best, l = min((loss(gone | {l}), l) for l in range(L) if l not in gone)  # ties: the deeper stays
+            removed.append(l)
+            at.append(best)
+    finally:
+        net.train(was)
+    kept = [l for l in range(L) if l not in removed]
+    order = tuple(kept) + tuple(reversed(removed))
+    return order, at

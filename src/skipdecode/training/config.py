@@ -18,7 +18,8 @@ from ..validation import SEED_MAX, check_float, check_int
 MIXED_PRECISION = ("no", "bf16")
 
 # Settings that change the training trajectory: a resumed run must keep them.
-_RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "importance_examples", "warmup_layers",
+_RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "importance", "importance_examples",
+                "warmup_layers",
                 "horizon", "decay",
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
@@ -57,7 +58,10 @@ class TrainConfig:
     mode: str = _opt("skip", "skip (the lower layers), early_exit (the upper ones) or nested (the least "
                              "influential ones, measured on the training data before training)",
                      choices=["skip", "early_exit", "nested"])
-    importance_examples: int = _opt(64, "mode nested: training examples the layer influence is measured on")
+    importance: str = _opt("influence", "mode nested: how the layer order is measured: influence (Block Influence, "
+                                        "1 - cos of a layer's input and output) or removal (greedy removal by "
+                                        "answer loss, SLEB-style; minutes)", choices=["influence", "removal"])
+    importance_examples: int = _opt(64, "mode nested: training examples the layer order is measured on")
     warmup_layers: int = _opt(1, "layers every token runs before the skipped block")
     # self-distillation: the same model at full depth (no gradient) teaches each skipped step
     distill: float = _opt(0.0, "self-distillation weight in [0, 1]: the model at full depth (no gradient) teaches "
@@ -143,6 +147,8 @@ class TrainConfig:
             raise E(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.mode not in ("skip", "early_exit", "nested"):
             raise E(f"mode must be 'skip', 'early_exit' or 'nested', got {self.mode!r}")
+        if self.importance not in ("influence", "removal"):
+            raise E(f"importance must be 'influence' or 'removal', got {self.importance!r}")
         if not self.schedule_file:
             if not isinstance(self.speedups, (list, tuple)) or not self.speedups:
                 raise E("give at least one speedup (e.g. speedups=[1, 2, 3]) or a schedule file")
@@ -237,6 +243,7 @@ class TrainingRecord:
     tokens_seen: int | None = None
     max_abs_diff_across_ranks: float | None = None
     layer_influence: list[float] | None = None  # mode nested: each layer's measured Block Influence
+    removal_loss: list[float] | None = None  # mode nested, importance removal: answer loss per budget L-1, L-2, ...
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

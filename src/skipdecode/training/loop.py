@@ -69,7 +69,7 @@ from ..data import TaskData, load_task
 from ..dispatch import cpu_features
 from ..lora import apply_lora, merge_peft_model, save_adapter
 from ..model import Transformer
-from ..policies.importance import answer_influence, nested_order
+from ..policies.importance import answer_influence, nested_order, removal_order
 from ..pull import PULLABLE
 from ..schedule import SkipSchedule
 from ..tokenization import load_tokenizer
@@ -288,18 +288,25 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     val_items, _ = _tokenize(tokenizer, val_rows, cfg.chat, max_len)
 
     expected = cfg.expected_new_tokens or int(statistics.median(len(t) for _, t in train_items))
-    influence = order = None
+    influence = removal_loss = order = None
     if cfg.mode == "nested" and not cfg.schedule_file:  # measured on the base model, before any update
         saved = out / LAYER_ORDER_FILE  # a resumed run keeps the order it started with, to the last tie
         if cfg.resume and saved.is_file():
             d = json.loads(saved.read_text())
-            order, influence = tuple(d["layer_order"]), d.get("layer_influence")
+            order, influence, removal_loss = tuple(d["layer_order"]), d.get("layer_influence"), d.get("removal_loss")
         else:
-            influence = answer_influence(net, train_items[: cfg.importance_examples])
-            order = nested_order(influence)
+            measured = train_items[: cfg.importance_examples]
+            if cfg.importance == "removal":
+                _say(env, f"skipdecode train: measuring the layer order by greedy removal on {len(measured)} "
+                          "examples ...")
+                order, removal_loss = removal_order(net, measured)
+            else:
+                influence = answer_influence(net, measured)
+                order = nested_order(influence)
             if env.main:
-                atomic.write_text(saved, json.dumps({"layer_order": order, "layer_influence": influence}) + "\n")
-        _say(env, "skipdecode train: layers by measured influence: " + " ".join(map(str, order)))
+                atomic.write_text(saved, json.dumps({"layer_order": order, "layer_influence": influence,
+                                                     "removal_loss": removal_loss}) + "\n")
+        _say(env, f"skipdecode train: layers by measured {cfg.importance}: " + " ".join(map(str, order)))
     schedules = build_schedules(cfg, L, expected, order)
     labels = schedule_draws(cfg, schedules)
     total = cfg.steps or math.ceil(cfg.epochs * len(train_items) / cfg.batch_size)
@@ -342,7 +349,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         total_steps=total, schedules={k: s.to_dict() for k, s in schedules.items()},
         decode_layer_speedup={k: s.decode_layer_speedup(expected) for k, s in schedules.items()},
         train_examples=len(train_items), world_size=env.world, lr=cfg.effective_lr(), config=asdict(cfg),
-        layer_influence=influence)
+        layer_influence=influence, removal_loss=removal_loss)
     if env.main:
         _say(env, f"skipdecode train: {len(train_items)} examples, {total} steps of {cfg.batch_size}, "
                   f"{'LoRA' if cfg.lora else 'full'} fine-tuning of {L} layers, schedules "
