@@ -29,7 +29,10 @@ def test_batch_gives_same_tokens_as_each_row_alone(arch, tiny_packed):
     model = tiny_packed[arch]
     sched = _skip(model.n_layers)
     prompts = _prompts()
-    batch, _ = generate_tokens(model, prompts, sched, NEW)
+    batch, stats = generate_tokens(model, prompts, sched, NEW)
+    # every decode step after the one that prefills is timed, and they fit inside the decode time
+    assert len(stats["step_seconds"]) == stats["engine_steps"] - 1 == NEW - 1
+    assert 0 < sum(stats["step_seconds"]) <= stats["decode_seconds"]
     for r, p in enumerate(prompts):
         alone, _ = generate_tokens(model, [p], sched, NEW)
         assert batch[r].token_ids == alone[0].token_ids, f"{arch}: row {r} (prompt length {len(p)})"

@@ -107,7 +107,9 @@ def generate_tokens(
     t0 = time.perf_counter()
     results = [RowResult(num_layers=L) for _ in prompts]
     first_step_done = None
+    step_seconds: list[float] = []  # each decode step's wall time, after the first step
     while engine.has_unfinished():
+        t_step = time.perf_counter()
         for out in engine.step():
             r = int(out.request_id)
             if on_token is not None:
@@ -124,6 +126,8 @@ def generate_tokens(
                     res.draft = out.draft.to_dict(L, len(out.token_ids) - 1)
         if first_step_done is None:
             first_step_done = time.perf_counter()
+        else:
+            step_seconds.append(time.perf_counter() - t_step)
     total = time.perf_counter() - t0
     c = engine.counters
     stats = {"prefill_seconds": (first_step_done or t0) - t0, "decode_seconds": total - ((first_step_done or t0) - t0),
@@ -131,5 +135,5 @@ def generate_tokens(
              "kv_cache_full_bytes": kv_full, "kv_cache_saved_bytes": kv_full - kv_bytes,
              "batch_size": len(prompts), "engine_steps": engine.step_count,
              "drafted_tokens": c["drafted_tokens"], "accepted_tokens": c["accepted_tokens"],
-             "verify_rounds": c["verify_rounds"]}
+             "verify_rounds": c["verify_rounds"], "step_seconds": step_seconds}
     return results, stats
