@@ -247,7 +247,7 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
             engine, sp = key.split(":")
             if sp == "one-layer":
                 continue
-            dec = min(t_dec[key])  # best of the repeats: the least disturbed run
+            dec = min(t_dec[key])  # per-step bests summed (ours), a peer's best difference; else best round
             if dec <= 0:
                 raise RuntimeError(f"{key} at batch {B}: {N} new tokens took no longer than 1 "
                                    f"(decode {dec:.3f} s): timing noise exceeds the "
