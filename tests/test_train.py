@@ -405,6 +405,8 @@ def test_nested_mode_can_measure_the_order_by_greedy_removal(tmp_path, tiny_text
     want, loss = removal_order(base, items[:6])
     assert tuple(meta["schedules"]["3x"]["layer_order"]) == want
     assert meta["removal_loss"] == pytest.approx(loss, rel=1e-5) and "layer_influence" not in meta
+    saved = json.loads((out / "layer_order.json").read_text())  # what a resumed run reads back
+    assert tuple(saved["layer_order"]) == want and saved["seconds"] >= 0
     with pytest.raises(TrainError, match="importance must be"):
         _run_cfg(tiny_text, e2e_csv, out, mode="nested", importance="cosine").validate()
 

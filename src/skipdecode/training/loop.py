@@ -295,7 +295,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             d = json.loads(saved.read_text())
             order, influence, removal_loss = tuple(d["layer_order"]), d.get("layer_influence"), d.get("removal_loss")
         else:
-            measured = train_items[: cfg.importance_examples]
+            measured, t_measure = train_items[: cfg.importance_examples], time.perf_counter()
             if cfg.importance == "removal":
                 _say(env, f"skipdecode train: measuring the layer order by greedy removal on {len(measured)} "
                           "examples ...")
@@ -305,7 +305,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
                 order = nested_order(influence)
             if env.main:
                 atomic.write_text(saved, json.dumps({"layer_order": order, "layer_influence": influence,
-                                                     "removal_loss": removal_loss}) + "\n")
+                                                     "removal_loss": removal_loss,
+                                                     "seconds": round(time.perf_counter() - t_measure, 1)}) + "\n")
         _say(env, f"skipdecode train: layers by measured {cfg.importance}: " + " ".join(map(str, order)))
     schedules = build_schedules(cfg, L, expected, order)
     labels = schedule_draws(cfg, schedules)
