@@ -135,19 +135,26 @@ INT4_GROUP = 32  # int4 weights: one scale per output channel and 32 consecutive
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` int4 codes (uint8, 0..15, the weight ``(q - 8) * scale``) and ``[N, K/32]`` bf16
-    group scales -> the panels ``linear`` streams: ``[ceil(N/16), K/2, 16]`` bytes, byte j of pair
-    i holding column j of row 2i in its low nibble and of row 2i + 1 in its high nibble, as
-    two's-complement ``q - 8``; and the scales divided by 16 (the kernels read each nibble as
-    16 times its value), ``[ceil(N/16), K/32, 16]``, zero padded."""
-    v = pack_weight(((q.to(torch.int16) - 8) & 0xF).to(torch.uint8))  # [NP, K, 16]
-    packed = (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous()
-    return packed, pack_int4_scales(scales)
+    group scales -> the panels ``linear`` streams: per panel of 16 outputs and 8 consecutive
+    inputs, 16 little-endian 32-bit words, word c holding column c's 8 codes, nibble j for input
+    j; nibbles 0-6 hold ``q``, nibble 7 holds ``q - 8`` in two's complement (the kernels convert
+    whole masked words to float, so the top nibble carries the word's sign). Stored as
+    ``[ceil(N/16), K/2, 16]`` bytes; the scales as ``[ceil(N/16), K/32, 16]``, zero padded."""
+    n, k = q.shape
+    v = pack_weight(q.to(torch.int64))  # [NP, K, 16] codes (padded columns: 0, with scale 0)
+    v = v.reshape(v.shape[0], k // 8, 8, PANEL)
+    v[:, :, 7] = (v[:, :, 7] - 8) & 0xF
+    words = (v << (4 * torch.arange(8))[None, None, :, None]).sum(2)  # [NP, K/8, 16], 0 .. 2^32 - 1
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same 32 bits
+    packed = words.contiguous().view(torch.uint8).reshape(-1, k // 2, PANEL)
+    return packed, pack_int4_scales(scales, divide=1)
 
 
-def pack_int4_scales(scales: torch.Tensor) -> torch.Tensor:
-    """``[N, K/32]`` bf16 group scales -> ``[ceil(N/16), K/32, 16]``, divided by 16, zero padded."""
+def pack_int4_scales(scales: torch.Tensor, divide: int = 16) -> torch.Tensor:
+    """``[N, K/32]`` bf16 group scales -> ``[ceil(N/16), K/32, 16]``, divided by ``divide`` (exact, a
+    power of two: the ``w4a8`` kernels read each high nibble as 16 times its code), zero padded."""
     n, g = scales.shape
-    sc = (scales.float() / 16).bfloat16()
+    sc = (scales.float() / divide).bfloat16()
     return F.pad(sc, (0, 0, 0, (-n) % PANEL)).reshape(-1, PANEL, g).transpose(1, 2).contiguous()
 
 
@@ -170,7 +177,7 @@ def pack_int4_vnni(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor,
     """``[N, K]`` int4 codes (0..15) and ``[N, K/32]`` bf16 group scales -> the panels of ``w4a8``:
     per panel and 4 consecutive inputs, the 64 codes in ``vpdpbusd`` order (each column's 4 as one
     32-bit group) stored in 32 bytes, codes 0-31 in the low nibbles and 32-63 in the high ones:
-    ``[ceil(N/16), K/2, 16]`` uint8. Scales as ``pack_int4`` (divided by 16)."""
+    ``[ceil(N/16), K/2, 16]`` uint8. Scales as ``pack_int4_scales``."""
     n, k = q.shape
     v = pack_weight(q)  # [NP, K, 16] codes
     v = v.reshape(v.shape[0], k // 4, 4, PANEL).transpose(2, 3).reshape(v.shape[0], k // 4, 64)

@@ -139,52 +139,51 @@ inline void row_block(int64_t r, const float* x, int64_t K, const W* w, int64_t 
   }
 }
 
-// int4 panels (weight-only, the size class of llama.cpp's Q4_0): 16 bytes per pair of panel rows,
-// byte j holding column j of row 2i in its low nibble and of row 2i + 1 in its high nibble, each a
-// two's-complement 4-bit value v = q - 8 for the weight v * scale, one scale per output column
-// and group of G4 consecutive k. Shifting the low nibble up (and masking the high one in place)
-// gives 16 * v as a signed byte, so one mask and one widening per row decode it; the stored
-// scales are divided by 16 to match (exact: a power of two). An eighth of fp32's bytes, plus a
-// bf16 scale per 32 weights. The group scale varies along k, so each group's sum is accumulated
-// apart and scaled once when the group ends (one FMA per 32 k).
+// int4 panels (weight-only, the size class of llama.cpp's Q4_0; kernels.pack_int4): per 8
+// consecutive k of a 16-column panel, 16 little-endian 32-bit words (64 bytes), word c holding
+// column c's 8 codes, nibble j for k0 + j; one bf16 scale per output column and group of G4
+// consecutive k. Nibbles 0-6 hold q = v + 8 (0..15) for the weight v * scale; nibble 7 holds v in
+// two's complement. Masking nibble j in place and converting the whole word gives q * 16^j exactly
+// (nibble 7: v * 16^7, its top bit the word's sign), so a weight costs one AND and one conversion
+// before its FMA, with no shuffle: the activations are pre-scaled by 16^-j (exact, a power of two;
+// prescale_q4) so the FMA adds x * q, and the 8 * x that nibbles 0-6 carry is taken off once per
+// group with the group's sum of those x. Twice the throughput of widening each byte and mapping
+// nibbles through a table (the form before; benchmarks/results/bench.md history). An eighth of
+// fp32's bytes, plus a bf16 scale per 32 weights.
 constexpr int64_t G4 = 32;
 
-// The two rows of a pair as signed bytes (16 * v): row 2i, row 2i + 1.
-static inline void split_pair(const uint8_t* w, __m128i& r0, __m128i& r1) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  const __m128i hi = _mm_set1_epi8(static_cast<char>(0xf0));
-  r0 = _mm_and_si128(_mm_slli_epi16(v, 4), hi);
-  r1 = _mm_and_si128(v, hi);
-}
+// The masks that keep nibble j of each word in place.
+static inline int32_t nibble_mask(int j) { return static_cast<int32_t>(0xFu << (4 * j)); }
 
-// micro_kernel for int4 panels: w points at the block's first pair of panel rows ([kc / 2, 16]
-// bytes), s at its first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple of G4. The
-// running sums live in acc between groups, so only the group's U x R pairs of accumulators
-// stay in registers (U sets take alternate rows of k to keep enough FMA chains in flight).
+// micro_kernel for int4 panels: x holds the pre-scaled activations (prescale_q4), sx each row's
+// 8 * (sum of its x under nibbles 0-6) per group (row stride ldsx), w the block's first 8-k word
+// block ([kc / 8, 16] words), s its first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple
+// of G4. The running sums live in acc between groups, so only the group's U x R accumulator pairs
+// stay in registers (U sets take alternate k to keep enough FMA chains in flight).
 template <int R>
-static inline void micro_kernel_q4(const float* x, int64_t ldx, const uint8_t* w, const uint16_t* s, int64_t kc,
-                                   float* acc, bool first, bool last, float* y, int64_t ldy, int64_t ncols,
-                                   const float* bias, const float* res) {
+static inline void micro_kernel_q4(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* w,
+                                   const uint16_t* s, int64_t kc, float* acc, bool first, bool last, float* y,
+                                   int64_t ldy, int64_t ncols, const float* bias, const float* res) {
   constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m256 t0[U][R], t1[U][R];
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < R; ++r) t0[u][r] = t1[u][r] = _mm256_setzero_ps();
-    for (int64_t k = g; k < g + G4; k += 2) {
-      const int u0 = (k - g) % U, u1 = (u0 + 1) % U;
+    for (int64_t k = g; k < g + G4; k += 8) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
-      __m128i r0, r1;
-      split_pair(w + k * 8, r0, r1);
-      const __m256 w00 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r0));
-      const __m256 w01 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r0, r0)));
-      const __m256 w10 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r1));
-      const __m256 w11 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r1, r1)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + k), xb = _mm256_broadcast_ss(x + r * ldx + k + 1);
-        t0[u0][r] = _mm256_fmadd_ps(xa, w00, t0[u0][r]);
-        t1[u0][r] = _mm256_fmadd_ps(xa, w01, t1[u0][r]);
-        t0[u1][r] = _mm256_fmadd_ps(xb, w10, t0[u1][r]);
-        t1[u1][r] = _mm256_fmadd_ps(xb, w11, t1[u1][r]);
+      const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8));
+      const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8 + 32));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i m = _mm256_set1_epi32(nibble_mask(j));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(d0, m));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(d1, m));
+        const int u = j % U;
+        for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + j);
+          t0[u][r] = _mm256_fmadd_ps(xb, w0, t0[u][r]);
+          t1[u][r] = _mm256_fmadd_ps(xb, w1, t1[u][r]);
+        }
       }
     }
     __m256 s0, s1;
@@ -195,25 +194,26 @@ static inline void micro_kernel_q4(const float* x, int64_t ldx, const uint8_t* w
         t0[0][r] = _mm256_add_ps(t0[0][r], t0[u][r]);
         t1[0][r] = _mm256_add_ps(t1[0][r], t1[u][r]);
       }
+      const __m256 c = _mm256_broadcast_ss(sx + r * ldsx + g / G4);
       const __m256 b0 = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
       const __m256 b1 = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR + 8);
-      _mm256_storeu_ps(acc + r * NR, _mm256_fmadd_ps(t0[0][r], s0, b0));
-      _mm256_storeu_ps(acc + r * NR + 8, _mm256_fmadd_ps(t1[0][r], s1, b1));
+      _mm256_storeu_ps(acc + r * NR, _mm256_fmadd_ps(_mm256_sub_ps(t0[0][r], c), s0, b0));
+      _mm256_storeu_ps(acc + r * NR + 8, _mm256_fmadd_ps(_mm256_sub_ps(t1[0][r], c), s1, b1));
     }
   }
   if (last) store_rows(R, acc, y, ldy, ncols, nullptr, bias, res);
 }
 
-inline void row_block_q4(int64_t r, const float* x, int64_t K, const uint8_t* w, const uint16_t* s, int64_t kc,
-                         float* acc, bool first, bool last, float* y, int64_t N, int64_t ncols, const float* bias,
-                         const float* res) {
+inline void row_block_q4(int64_t r, const float* x, int64_t K, const float* sx, int64_t ldsx, const uint8_t* w,
+                         const uint16_t* s, int64_t kc, float* acc, bool first, bool last, float* y, int64_t N,
+                         int64_t ncols, const float* bias, const float* res) {
   switch (r) {
-    case 6: return micro_kernel_q4<6>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 5: return micro_kernel_q4<5>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 4: return micro_kernel_q4<4>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 3: return micro_kernel_q4<3>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 2: return micro_kernel_q4<2>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    default: return micro_kernel_q4<1>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 6: return micro_kernel_q4<6>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 5: return micro_kernel_q4<5>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 4: return micro_kernel_q4<4>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 3: return micro_kernel_q4<3>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 2: return micro_kernel_q4<2>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    default: return micro_kernel_q4<1>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
   }
 }
 
@@ -280,37 +280,26 @@ SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, in
   }
 }
 
-// int4 (layout above): a 16-entry table in one register maps a nibble straight to its float
-// 16 * v (vpermps reads only the low 4 bits of each index), so a pair of rows takes one widening
-// load, one shift and two permutes instead of masking, two widenings and two conversions. The
-// table holds the same floats the AVX2 form converts, so both forms give identical sums.
-SD_AVX512 static inline __m512 q4_table512() {
-  return _mm512_setr_ps(0, 16, 32, 48, 64, 80, 96, 112, -128, -112, -96, -80, -64, -48, -32, -16);
-}
-SD_AVX512 static inline void split_pair512(const uint8_t* w, const __m512 table, __m512& w0, __m512& w1) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  w0 = _mm512_permutexvar_ps(v, table);
-  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-
+// int4 (layout above): one register per 8-k word block, so each weight row takes half the ANDs,
+// conversions and FMAs of the AVX2 form, in the same order per column: both forms give identical sums.
 template <int R>
-SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, const uint8_t* w, const uint16_t* s,
-                                                 int64_t kc, float* acc, bool first, bool last, float* y, int64_t ldy,
-                                                 int64_t ncols, const float* bias, const float* res) {
-  constexpr int U = R == 1 ? 8 : R == 2 ? 4 : 2;
-  const __m512 table = q4_table512();
+SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, const float* sx, int64_t ldsx,
+                                                 const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
+                                                 bool first, bool last, float* y, int64_t ldy, int64_t ncols,
+                                                 const float* bias, const float* res) {
+  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m512 t[U][R];
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < R; ++r) t[u][r] = _mm512_setzero_ps();
-    for (int64_t k = g; k < g + G4; k += 2) {
-      const int u0 = (k - g) % U, u1 = (u0 + 1) % U;
+    for (int64_t k = g; k < g + G4; k += 8) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
-      __m512 w0, w1;
-      split_pair512(w + k * 8, table, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        t[u0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, t[u0][r]);
-        t[u1][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, t[u1][r]);
+      const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * 8));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(nibble_mask(j))));
+        const int u = j % U;
+        for (int r = 0; r < R; ++r) t[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + j]), wv, t[u][r]);
       }
     }
     const __m512 sc = load_w16(s + (g / G4) * NR);
@@ -318,22 +307,23 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
     for (int r = 0; r < R; ++r) {
       for (int u = 1; u < U; ++u) t[0][r] = _mm512_add_ps(t[0][r], t[u][r]);
       const __m512 base = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
-      _mm512_storeu_ps(acc + r * NR, _mm512_fmadd_ps(t[0][r], sc, base));
+      const __m512 c = _mm512_set1_ps(sx[r * ldsx + g / G4]);
+      _mm512_storeu_ps(acc + r * NR, _mm512_fmadd_ps(_mm512_sub_ps(t[0][r], c), sc, base));
     }
   }
   if (last) store_rows(R, acc, y, ldy, ncols, nullptr, bias, res);
 }
 
-SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const uint8_t* w, const uint16_t* s, int64_t kc,
-                                float* acc, bool first, bool last, float* y, int64_t N, int64_t ncols,
-                                const float* bias, const float* res) {
+SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const float* sx, int64_t ldsx,
+                                const uint8_t* w, const uint16_t* s, int64_t kc, float* acc, bool first, bool last,
+                                float* y, int64_t N, int64_t ncols, const float* bias, const float* res) {
   switch (r) {
-    case 6: return micro_kernel_q4_512<6>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 5: return micro_kernel_q4_512<5>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 4: return micro_kernel_q4_512<4>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 3: return micro_kernel_q4_512<3>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    case 2: return micro_kernel_q4_512<2>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
-    default: return micro_kernel_q4_512<1>(x, K, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 6: return micro_kernel_q4_512<6>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 5: return micro_kernel_q4_512<5>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 4: return micro_kernel_q4_512<4>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 3: return micro_kernel_q4_512<3>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    case 2: return micro_kernel_q4_512<2>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
+    default: return micro_kernel_q4_512<1>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
   }
 }
 
@@ -431,20 +421,41 @@ void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t N
   });
 }
 
+// The activations of int4 panels, pre-scaled (layout above): x * 16^-(k mod 8), and per group of
+// G4 the 8 * sum of the x under nibbles 0-6 ([M, K / G4]).
+void prescale_q4(const float* x, int64_t M, int64_t K, std::vector<float>& xp, std::vector<float>& sx) {
+  static const float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
+  xp.resize(M * K);
+  sx.resize(M * (K / G4));
+  for (int64_t i = 0; i < M * K; i += G4) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < G4; ++j) {
+      xp[i + j] = x[i + j] * f[j % 8];
+      if (j % 8 != 7) sum += x[i + j];
+    }
+    sx[i / G4] = 8.f * sum;
+  }
+}
+
 // The same over int4 panels ([NP, K / 2, 16] bytes) with their group scales ([NP, K / G4, 16] bf16).
 void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
                       const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  std::vector<float> xp, sx;
+  prescale_q4(xa, M, K, xp, sx);
+  const int64_t ng = K / G4;
   panel_loop(M, K, NP, MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const bool first = k0 == 0, last = k0 + kc == K;
     const uint8_t* w = wa + (p * K + k0) * (NR / 2);  // [NP, K / 2, 16] bytes
-    const uint16_t* s = sa + (p * (K / G4) + k0 / G4) * NR;
+    const uint16_t* s = sa + (p * ng + k0 / G4) * NR;
+    const float* xr = xp.data() + m * K + k0;
+    const float* sr = sx.data() + m * ng + k0 / G4;
     if (g_avx512)
-      row_block_q4_512(r, xa + m * K + k0, K, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
+      row_block_q4_512(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
                        res ? res + m * n + p * NR : nullptr);
     else
-      row_block_q4(r, xa + m * K + k0, K, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
+      row_block_q4(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
                    res ? res + m * n + p * NR : nullptr);
   });
 }
