@@ -164,7 +164,7 @@ template <int R>
 static inline void micro_kernel_q4(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* w,
                                    const uint16_t* s, int64_t kc, float* acc, bool first, bool last, float* y,
                                    int64_t ldy, int64_t ncols, const float* bias, const float* res) {
-  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  constexpr int U = R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m256 t0[U][R], t1[U][R];
     for (int u = 0; u < U; ++u)
@@ -287,7 +287,7 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
                                                  const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
                                                  bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                                  const float* bias, const float* res) {
-  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  constexpr int U = R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m512 t[U][R];
     for (int u = 0; u < U; ++u)
