@@ -462,7 +462,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
 
 // ---- int8 activations (w8a8, w4a8): llama.cpp's Q8_0 activations on the integer dot-product units.
 // With fp32 activations, int8 and int4 decode is bound by widening each weight to fp32 and one FMA
-// per 16 multiply-adds (int4 batch 1 reads 24% of the bandwidth). Quantizing each row's
+// per 16 multiply-adds (int8 batch 1 reads 35% of the bandwidth, llamacpp.md). Quantizing each row's
 // activations to int8 in blocks of QB = 32 along k (scale = max|x| / 127, round to nearest even)
 // turns 4 k of 16 columns into one AVX512-VNNI vpdpbusd (64 multiply-adds, exact int32 sums).
 // The weights are packed for it (kernels.pack_int8_vnni / pack_int4_vnni): per 4 k of a 16-column
