@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import torch
+
 from .errors import SkipDecodeError
 
 E2E_INSTRUCTION = "Write one sentence describing this restaurant: "
@@ -370,6 +372,42 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool | None = None) -> list
                                              add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
+
+
+IGNORE = -100  # a label no loss reads (torch's cross_entropy default ignore_index)
+
+
+@dataclass
+class LeftPadded:
+    """``(prompt_ids, target_ids)`` pairs in one teacher-forced layout: prompts left-padded to end
+    at column ``t0 - 1``, target tokens 0..n-2 fed back from column ``t0`` on, so column
+    ``t0 - 1 + i`` predicts target token ``i`` (its label); every row keeps its own positions."""
+    tokens: torch.Tensor  # (B, W) int64, W = t0 + longest target - 1
+    positions: torch.Tensor  # (B, W) per-row positions (0 at the first real prompt token)
+    labels: torch.Tensor  # (B, W) target token i at column t0 - 1 + i, IGNORE elsewhere
+    key_valid: torch.Tensor  # (B, W) False on left padding
+    padded: bool  # whether any row has left padding
+    t0: int
+
+
+def left_pad(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0) -> LeftPadded:
+    """The layout of :class:`LeftPadded`, shared by training batches and layer-importance
+    measurements so that both score the same columns."""
+    B = len(items)
+    t0 = max(len(p) for p, _ in items)
+    W = t0 + max(len(t) for _, t in items) - 1
+    tokens = torch.full((B, W), pad_id, dtype=torch.long)
+    labels = torch.full((B, W), IGNORE, dtype=torch.long)
+    pad = torch.empty(B, dtype=torch.long)
+    for r, (p, t) in enumerate(items):
+        pad[r] = t0 - len(p)
+        tokens[r, t0 - len(p): t0] = torch.as_tensor(list(p), dtype=torch.long)
+        if len(t) > 1:
+            tokens[r, t0: t0 + len(t) - 1] = torch.as_tensor(list(t[:-1]), dtype=torch.long)
+        labels[r, t0 - 1: t0 - 1 + len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+    cols = torch.arange(W)[None, :]
+    return LeftPadded(tokens, (cols - pad[:, None]).clamp(min=0), labels, cols >= pad[:, None],
+                      bool((pad > 0).any()), t0)
 
 
 def encode_example(tokenizer: Any, prompt: str, target: str, chat: bool | None = None

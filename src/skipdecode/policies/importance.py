@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..data import IGNORE, left_pad
 from ..errors import SkipDecodeError
 from ..model import Transformer
 
@@ -106,26 +107,17 @@ def _answer_loss_fn(net: Transformer, items: Sequence[tuple[Sequence[int], Seque
         chunk = [(list(p), list(t)) for p, t in items[i:i + batch_size] if p and len(t) > 1]
         if not chunk:
             continue
-        # prompts left-padded to end at column t0 - 1; answers (all but their last token) from t0 on
-        B, t0, n = len(chunk), max(len(p) for p, _ in chunk), max(len(t) for _, t in chunk) - 1
-        prompt = torch.zeros(B, t0, dtype=torch.long)
-        answer = torch.zeros(B, n, dtype=torch.long)
-        labels = torch.full((B, n), -100, dtype=torch.long)
-        pad = torch.tensor([t0 - len(p) for p, _ in chunk])
-        for r, (p, t) in enumerate(chunk):
-            prompt[r, t0 - len(p):] = torch.tensor(p)
-            answer[r, :len(t) - 1] = torch.tensor(t[:-1])
-            labels[r, :len(t) - 1] = torch.tensor(t[1:])
-        cols = torch.arange(t0 + n)[None]
-        positions = (cols - pad[:, None]).clamp(min=0)
-        kv = cols >= pad[:, None]
+        # training's layout (data.left_pad): prompts end at column t0 - 1, answers are fed from t0 on
+        lay = left_pad(chunk)
+        t0, kv = lay.t0, lay.key_valid
         cache = _PrefixKV()
-        net(prompt, positions[:, :t0], cache=cache, key_valid=kv[:, :t0], last_only=True)
+        net(lay.tokens[:, :t0], lay.positions[:, :t0], cache=cache, key_valid=kv[:, :t0], last_only=True)
         cache.recording = False
-        batches.append((answer, positions[:, t0:], kv, t0, cache, labels))
+        # labels from t0 on: the answer tokens after the first (the first is the prompt's, at full depth)
+        batches.append((lay.tokens[:, t0:], lay.positions[:, t0:], kv, t0, cache, lay.labels[:, t0:]))
     if not batches:
         raise SkipDecodeError("no answer of two or more tokens to measure layer removal on")
-    n = sum(int((lab != -100).sum()) for *_, lab in batches)
+    n = sum(int((lab != IGNORE).sum()) for *_, lab in batches)
 
     def loss(removed: frozenset[int]) -> float:
         total = 0.0
@@ -134,7 +126,7 @@ def _answer_loss_fn(net: Transformer, items: Sequence[tuple[Sequence[int], Seque
             logits = net(tok, pos, [0 if l in removed else T for l in range(L)], cache=cache, start=t0,
                          key_valid=kv)
             total += float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                                             ignore_index=-100, reduction="sum"))
+                                                             ignore_index=IGNORE, reduction="sum"))
         return total / n
 
     return loss

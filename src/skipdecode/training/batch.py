@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import encode_example
+from ..data import IGNORE, encode_example, left_pad
 from ..schedule import SkipSchedule
 from .config import TrainError
 
-IGNORE = -100
 
 
 @dataclass
@@ -47,24 +46,13 @@ def make_batch(items: Sequence[tuple[Sequence[int], Sequence[int]]], schedule: S
     """Lay out ``(prompt_ids, target_ids)`` pairs as in the module docstring."""
     if not items:
         raise TrainError("empty batch")
-    B = len(items)
-    t0 = max(len(p) for p, _ in items)
     n_max = max(len(t) for _, t in items)
-    if t0 < 1 or min(len(t) for _, t in items) < 1:
+    if max(len(p) for p, _ in items) < 1 or min(len(t) for _, t in items) < 1:
         raise TrainError("every example needs at least one prompt token and one target token")
-    W = t0 + n_max - 1
-    tokens = torch.full((B, W), pad_id, dtype=torch.long)
-    labels = torch.full((B, W), IGNORE, dtype=torch.long)
-    pad = torch.empty(B, dtype=torch.long)
-    for r, (p, t) in enumerate(items):
-        pad[r] = t0 - len(p)
-        tokens[r, t0 - len(p): t0] = torch.as_tensor(list(p), dtype=torch.long)
-        if len(t) > 1:
-            tokens[r, t0: t0 + len(t) - 1] = torch.as_tensor(list(t[:-1]), dtype=torch.long)
-        labels[r, t0 - 1: t0 - 1 + len(t)] = torch.as_tensor(list(t), dtype=torch.long)
-    cols = torch.arange(W)[None, :]
-    positions = (cols - pad[:, None]).clamp(min=0)
-    key_valid = cols >= pad[:, None] if bool((pad > 0).any()) else None
+    lay = left_pad(items, pad_id)
+    tokens, positions, labels, t0 = lay.tokens, lay.positions, lay.labels, lay.t0
+    W = tokens.shape[1]
+    key_valid = lay.key_valid if lay.padded else None
     active = active_lengths(schedule, t0, n_max)
     n_target = sum(len(t) for _, t in items)
     return Batch(tokens, positions, labels, key_valid, None if all(a == W for a in active) else active,
