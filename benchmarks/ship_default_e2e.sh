@@ -10,15 +10,19 @@
 # scores the shipped model at 1x-5x on select (where choices are made) and
 # once on report (never chosen on).
 # About 100 min of training on 2 CPU cores; a killed run resumes.
+# Another candidate ships the same way: RECIPE=recipes/X.yaml RUN=runs/X benchmarks/ship_default_e2e.sh
+# (chosen on select only: the eval-select-*.json of each candidate, benchmarks/quality_heldout.sh).
 # Run from the repository root.
 set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
-RUN=runs/default-e2e-heldout
+RECIPE=${RECIPE:-recipes/default-e2e.yaml}
+RUN=${RUN:-runs/default-e2e-heldout}
+CAL=runs/adaptive-cal-$(basename "$RUN")
 SHIP=src/skipdecode/models/default-e2e
 R=benchmarks/results
 
-[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config recipes/default-e2e.yaml \
+[ -f "$RUN/adapter_model.safetensors" ] || $BIN/skipdecode train --config "$RECIPE" \
   -o "$RUN" $([ -d "$RUN/checkpoints" ] && echo --resume)
 mkdir -p "$SHIP"
 for f in adapter_config.json adapter_model.safetensors skipdecode.json train_log.jsonl; do
@@ -35,15 +39,15 @@ done
 # 19 layers and its floor 5.
 for pair in 2:3 3:4 4:5; do
   t=${pair%%:*}; s=${pair##*:}
-  [ -f runs/adaptive-cal-${t}x-on${s}x.json ] || $BIN/skipdecode evaluate --task e2e \
+  [ -f $CAL-${t}x-on${s}x.json ] || $BIN/skipdecode evaluate --task e2e \
     --data ../shared/data/e2e/devset.csv --split select --model default-e2e --calibrate-adaptive $t \
-    --adaptive-schedule $s --out runs/adaptive-cal-${t}x-on${s}x.json
+    --adaptive-schedule $s --out $CAL-${t}x-on${s}x.json
 done
-$BIN/python - <<'PY'
-import json, pathlib
+CAL=$CAL $BIN/python - <<'PY'
+import json, os, pathlib
 cal = {"adaptive": {}, "calibrated_on": None}
 for t, s in ((2, 3), (3, 4), (4, 5)):
-    d = json.loads(pathlib.Path(f"runs/adaptive-cal-{t}x-on{s}x.json").read_text())
+    d = json.loads(pathlib.Path(f"{os.environ['CAL']}-{t}x-on{s}x.json").read_text())
     cal["adaptive"].update(d["adaptive"])
     cal["calibrated_on"] = d["calibrated_on"]
 pathlib.Path("benchmarks/results/adaptive-calibration-default-e2e.json").write_text(json.dumps(cal, indent=2) + "\n")
