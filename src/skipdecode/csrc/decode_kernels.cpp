@@ -147,9 +147,10 @@ inline void row_block(int64_t r, const float* x, int64_t K, const W* w, int64_t 
 // (nibble 7: v * 16^7, its top bit the word's sign), so a weight costs one AND and one conversion
 // before its FMA, with no shuffle: the activations are pre-scaled by 16^-j (exact, a power of two;
 // prescale_q4) so the FMA adds x * q, and the 8 * x that nibbles 0-6 carry is taken off once per
-// group with the group's sum of those x. Twice the throughput of widening each byte and mapping
-// nibbles through a table (the form before; benchmarks/results/bench.md history). An eighth of
-// fp32's bytes, plus a bf16 scale per 32 weights.
+// group with the group's sum of those x. The form before widened each byte and mapped nibbles
+// through a table, two shuffles per 32 weights: a batch-1 int4 step took 6.08 ms then, 4.46 ms
+// now (benchmarks/results/llamacpp.md and its history). An eighth of fp32's bytes, plus a bf16
+// scale per 32 weights.
 constexpr int64_t G4 = 32;
 
 // The masks that keep nibble j of each word in place.
