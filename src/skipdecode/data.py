@@ -386,7 +386,6 @@ class LeftPadded:
     positions: torch.Tensor  # (B, W) per-row positions (0 at the first real prompt token)
     labels: torch.Tensor  # (B, W) target token i at column t0 - 1 + i, IGNORE elsewhere
     key_valid: torch.Tensor  # (B, W) False on left padding
-    padded: bool  # whether any row has left padding
     t0: int
 
 
@@ -406,8 +405,7 @@ def left_pad(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int =
             tokens[r, t0: t0 + len(t) - 1] = torch.as_tensor(list(t[:-1]), dtype=torch.long)
         labels[r, t0 - 1: t0 - 1 + len(t)] = torch.as_tensor(list(t), dtype=torch.long)
     cols = torch.arange(W)[None, :]
-    return LeftPadded(tokens, (cols - pad[:, None]).clamp(min=0), labels, cols >= pad[:, None],
-                      bool((pad > 0).any()), t0)
+    return LeftPadded(tokens, (cols - pad[:, None]).clamp(min=0), labels, cols >= pad[:, None], t0)
 
 
 def encode_example(tokenizer: Any, prompt: str, target: str, chat: bool | None = None

@@ -15,7 +15,6 @@ from ..schedule import SkipSchedule
 from .config import TrainError
 
 
-
 @dataclass
 class Batch:
     tokens: torch.Tensor  # (B, W) inputs: left-padded prompt, then target tokens 0..n-2
@@ -52,7 +51,7 @@ def make_batch(items: Sequence[tuple[Sequence[int], Sequence[int]]], schedule: S
     lay = left_pad(items, pad_id)
     tokens, positions, labels, t0 = lay.tokens, lay.positions, lay.labels, lay.t0
     W = tokens.shape[1]
-    key_valid = lay.key_valid if lay.padded else None
+    key_valid = None if bool(lay.key_valid.all()) else lay.key_valid
     active = active_lengths(schedule, t0, n_max)
     n_target = sum(len(t) for _, t in items)
     return Batch(tokens, positions, labels, key_valid, None if all(a == W for a in active) else active,
