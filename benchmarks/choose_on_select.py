@@ -5,7 +5,7 @@ The rule, fixed before the last candidate was scored: the most quality goals met
 of its 1x share), ties broken by mean select BLEU over 1x-5x. Reads each candidate's
 benchmarks/results/eval-select-STEM.json (skipdecode evaluate --split select --speedups 1,2,3,4,5).
 Run from the repository root:
-    .venv/bin/python benchmarks/choose_on_select.py default-e2e default-e2e-nested default-e2e-nested-removal
+    .venv/bin/python benchmarks/choose_on_select.py default-e2e-skip default-e2e-nested default-e2e-nested-removal
 """
 
 from __future__ import annotations

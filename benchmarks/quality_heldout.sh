@@ -26,10 +26,15 @@ train() {  # train RUN RECIPE [flags...]: train (or resume) unless finished
 }
 # the untrained model, for contrast
 ev untrained default --speedups 1,2,3,4,5
-# the shipped default-e2e, its adaptive thresholds calibrated on select (benchmarks/ship_default_e2e.sh)
+# the shipped default-e2e (nested layer sets by measured influence, recipes/default-e2e-nested.yaml),
+# its adaptive thresholds calibrated on select (benchmarks/ship_default_e2e.sh)
 [ -f $R/eval-report-default-e2e.json ] || benchmarks/ship_default_e2e.sh
 # (ship_default_e2e.sh also calibrates and scores the adaptive thresholds: eval-*-default-e2e-adaptive.json)
-# nested layer sets by measured influence: the shipped recipe with --mode nested
+# SkipDecode's skip-the-bottom recipe, the default-e2e shipped before (its eval-*-default-e2e-skip*.json
+# and adaptive thresholds came from ship_default_e2e.sh when it shipped that recipe)
+scored default-e2e-skip || train default-e2e-skip recipes/default-e2e.yaml
+ev default-e2e-skip runs/default-e2e-skip --speedups 1,2,3,4,5
+# nested layer sets by measured influence: its first run, scored on both parts before it was chosen
 scored default-e2e-nested || train default-e2e-nested recipes/default-e2e-nested.yaml
 ev default-e2e-nested runs/default-e2e-nested --speedups 1,2,3,4,5
 # the same with the layer order measured by greedy removal (SLEB-style) instead of Block Influence
@@ -37,12 +42,12 @@ scored default-e2e-nested-removal || train default-e2e-nested-removal recipes/de
 ev default-e2e-nested-removal runs/default-e2e-nested-removal --speedups 1,2,3,4,5
 # The full-depth-only reference, early exit and static drop to 15 layers take hours on 2 CPU
 # cores: benchmarks/quality_heldout_gpu.sh trains them on one GPU (train --device cuda), with the
-# shipped recipe retrained there as the same-hardware control and both again at seeds 1 and 2;
+# skip-the-bottom recipe retrained there as the same-hardware control and both again at seeds 1 and 2;
 # the train lines below train them here instead when runs/ does not hold them.
-# the full-depth-only reference: the shipped recipe at 1x only
+# the full-depth-only reference: the skip-the-bottom recipe at 1x only
 scored full-only || train heldout-full-only recipes/default-e2e.yaml --speedups 1
 ev full-only runs/heldout-full-only --speedups 1
-# the shipped recipe trained on the GPU beside the reference, and both at two more seeds
+# the skip-the-bottom recipe trained on the GPU beside the reference, and both at two more seeds
 scored default-e2e-cuda || train default-e2e-cuda recipes/default-e2e.yaml
 ev default-e2e-cuda runs/default-e2e-cuda --speedups 1,2,3,4,5
 for seed in 1 2; do
@@ -51,7 +56,7 @@ for seed in 1 2; do
   scored default-e2e-cuda-seed$seed || train default-e2e-cuda-seed$seed recipes/default-e2e.yaml --seed $seed
   ev default-e2e-cuda-seed$seed runs/default-e2e-cuda-seed$seed --speedups 1,2,3,4,5
 done
-# early exit with the same monotone budgets, the shipped recipe
+# early exit with the same monotone budgets, the skip-the-bottom recipe with --mode early_exit
 scored early-exit || train heldout-early-exit recipes/default-e2e.yaml --mode early_exit
 ev early-exit runs/heldout-early-exit --speedups 1,2,3,4,5
 # static layer drop (ShortGPT), one pruned model per speedup, fine-tuned at its own depth

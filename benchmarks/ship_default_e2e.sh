@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The shipped `default-e2e` (recipes/default-e2e.yaml): the recipe of the quality table's row "trained
-# front-loaded, 600 steps" (benchmarks/results/quality-names.md), trained longer, on
-# the training part of e2e-heldout (no example names a restaurant of its
-# select or report part): LoRA r=32 (alpha 64) on all block
-# linears, 900 steps of 16, lr 1e-3, one checkpoint for 1x-5x with 1x drawn
-# twice as often, front-loaded schedules (--horizon 3 --decay 5: the first
-# three answer tokens run deep, where E2E answers copy the restaurant's name).
+# The shipped `default-e2e` (recipes/default-e2e-nested.yaml): LoRA r=32 (alpha 64)
+# on all block linears, 900 steps of 16, lr 1e-3, on the training part of
+# e2e-heldout (no example names a restaurant of its select or report part),
+# one checkpoint for 1x-5x with 1x drawn twice as often, front-loaded
+# schedules (--horizon 3 --decay 5: the first three answer tokens run deep),
+# and nested layer sets: budget b runs the b layers of highest Block Influence
+# on the base model, in depth order. Chosen on select among skipping the
+# bottom (recipes/default-e2e.yaml, the model shipped before), nested by
+# influence and nested by greedy removal (docs/results.md).
 # Copies the adapter (about 32 MB) and its training log into the package, then
 # scores the shipped model at 1x-5x on select (where choices are made) and
-# once on report (never chosen on).
+# once on report (never chosen on), and calibrates its adaptive thresholds on select.
 # About 100 min of training on 2 CPU cores; a killed run resumes.
 # Another candidate ships the same way: RECIPE=recipes/X.yaml RUN=runs/X benchmarks/ship_default_e2e.sh
 # (chosen on select only: the eval-select-*.json of each candidate, benchmarks/quality_heldout.sh).
@@ -16,8 +18,8 @@
 set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
-RECIPE=${RECIPE:-recipes/default-e2e.yaml}
-RUN=${RUN:-runs/default-e2e-heldout}
+RECIPE=${RECIPE:-recipes/default-e2e-nested.yaml}
+RUN=${RUN:-runs/default-e2e-nested}
 CAL=runs/adaptive-cal-$(basename "$RUN")
 SHIP=src/skipdecode/models/default-e2e
 R=benchmarks/results
@@ -34,9 +36,9 @@ for split in select report; do
     --model default-e2e --speedups 1,2,3,4,5 --out $R/eval-$split-default-e2e.json
 done
 # adaptive budgets: per target, the threshold at which stepping down the next deeper trained
-# schedule ((t+1)x) achieves t on select. On the 5x schedule alone, 2x and 3x kept 87% and 82% of
-# the static schedules' select BLEU (eval-select-default-e2e-adaptive-on5x.json): its first budget is
-# 19 layers and its floor 5.
+# schedule ((t+1)x) achieves t on select (for the skip-the-bottom model, stepping down the 5x
+# schedule alone kept 87% and 82% of the static schedules' select BLEU at 2x and 3x:
+# eval-select-default-e2e-skip-adaptive-on5x.json; its first budget is 19 layers and its floor 5).
 for pair in 2:3 3:4 4:5; do
   t=${pair%%:*}; s=${pair##*:}
   [ -f $CAL-${t}x-on${s}x.json ] || $BIN/skipdecode evaluate --task e2e \

@@ -118,6 +118,27 @@ def test_each_draft_length_matches_full_depth_at_every_speedup(deep, k):
         assert all(b == sched.budget(pos - 1) for pos, b, _ in spec.acceptance)
 
 
+def test_nested_layer_set_drafts_are_verified_into_full_depths_tokens(deep):
+    """Drafts on nested layer sets (a measured order, as `default-e2e` ships) are
+    verified like any: the output is full depth's, each draft ran its schedule's
+    budget, and the drafts differ from skipping the bottom."""
+    ref, model = deep
+    order = (0, 9, 4, 1, 8, 2, 7, 3, 6, 5)
+    g = torch.Generator().manual_seed(11)
+    verdicts = {}
+    for speedup in (2, 3, 5):
+        sched = _sched(speedup, 20).with_order(order)
+        prompt = torch.randint(3, VOCAB, (9,), generator=g).tolist()
+        out = _alone(model, prompt, 20, schedule=sched, lossless=True, draft_tokens=4, ignore_eos=True)
+        assert out.token_ids == naive_generate(ref, prompt, SkipSchedule.full_depth(L), 20)
+        assert all(b == sched.budget(pos - 1) for pos, b, _ in out.draft.acceptance)
+        bottom = _alone(model, prompt, 20, schedule=_sched(speedup, 20), lossless=True, draft_tokens=4,
+                        ignore_eos=True)
+        verdicts[speedup] = ([ok for *_, ok in out.draft.acceptance], [ok for *_, ok in bottom.draft.acceptance])
+    # the drafts ran other layers than skipping the bottom does: full depth judged them differently
+    assert any(nested != bottom for nested, bottom in verdicts.values())
+
+
 def test_a_draft_confidence_cutoff_ends_rounds_early_and_output_still_matches_full_depth(deep):
     """A round stops drafting after a draft its pass was less sure of than
     ``draft_confidence``: rounds get shorter as the cutoff rises (a cutoff no
