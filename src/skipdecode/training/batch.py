@@ -123,7 +123,10 @@ def _epoch_perm(n: int, seed: int, epoch: int) -> list[int]:
     return _perm_cache[key]
 
 
-def _tokenize(tokenizer: Any, task_rows, chat: bool | None, max_length: int) -> tuple[list, int]:
+def _tokenize(tokenizer: Any, task_rows, chat: bool | None, max_length: int, kept: list | None = None
+              ) -> tuple[list, int]:
+    """``(items, dropped)``: the rows that fit ``max_length`` as ``(prompt_ids, target_ids)``; the
+    rows themselves are appended to ``kept`` when given (one per item)."""
     out, dropped = [], 0
     for ex in task_rows:
         p, t = encode_example(tokenizer, ex.prompt, ex.target, chat)
@@ -131,6 +134,8 @@ def _tokenize(tokenizer: Any, task_rows, chat: bool | None, max_length: int) -> 
             dropped += 1
             continue
         out.append((p, t))
+        if kept is not None:
+            kept.append(ex)
     return out, dropped
 
 

@@ -24,7 +24,7 @@ _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "importanc
                 "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
                 "max_grad_norm", "seed", "split_seed", "max_length", "val_groups", "chat", "fsdp", "distill",
-                "distill_temperature", "mixed_precision")
+                "distill_temperature", "mixed_precision", "augment_names")
 
 
 class TrainError(SkipDecodeError):
@@ -103,6 +103,9 @@ class TrainConfig:
                               "on the names or MRs a model is scored on")
     # data
     max_length: int | None = _opt(None, "drop longer examples (default: the model's context)")
+    augment_names: float = _opt(0.0, "E2E: the probability that a drawn example gets fresh synthetic names in "
+                                     "name[...] and near[...], in its reference too, so that names are copied "
+                                     "from the input rather than recalled from the few in training")
     val_groups: float | None = _opt(None, "held-out groups (E2E: MRs, default 60), or a fraction < 1")
     chat: bool | None = _opt(None, "use the chat template (default: when the tokenizer has one)")
     eval_examples: int = _opt(32, "validation loss per schedule at the end (0: none)")
@@ -138,6 +141,7 @@ class TrainConfig:
         check_float("lora_dropout", self.lora_dropout, 0, 1, hi_open=True, error=E)
         check_float("decay", self.decay, 1, error=E)
         check_float("distill", self.distill, 0, 1, error=E)
+        check_float("augment_names", self.augment_names, 0, 1, error=E)
         check_float("distill_temperature", self.distill_temperature, 0, lo_open=True, error=E)
         if self.val_groups is not None:
             check_float("val_groups", self.val_groups, 0, lo_open=True, error=E)

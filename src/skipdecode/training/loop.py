@@ -51,6 +51,7 @@ import contextlib
 import json
 import math
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -73,6 +74,7 @@ from ..policies.importance import answer_influence, nested_order, removal_order
 from ..pull import PULLABLE
 from ..schedule import SkipSchedule
 from ..tokenization import load_tokenizer
+from .augment import NameAugmenter
 from .batch import (
     _micro_batches,
     _tokenize,
@@ -279,11 +281,18 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     L = net.cfg.n_layers
     task: TaskData = load_task(cfg.data, val_groups=cfg.val_groups, seed=cfg.split_seed)
     max_len = min(cfg.max_length or net.cfg.max_position, net.cfg.max_position)
-    train_items, dropped = _tokenize(tokenizer, task.train, cfg.chat, max_len)
+    train_rows: list = []
+    train_items, dropped = _tokenize(tokenizer, task.train, cfg.chat, max_len, kept=train_rows)
     if dropped:
         _say(env, f"skipdecode train: dropped {dropped} example(s) longer than {max_len} tokens")
     if len(train_items) < cfg.batch_size:
         raise TrainError(f"{len(train_items)} training examples are fewer than one batch of {cfg.batch_size}")
+    augmenter = None
+    if cfg.augment_names > 0:
+        if not any(re.search(r"\bname\[[^\]]+\]", ex.prompt) for ex in train_rows):
+            raise TrainError(f"--augment-names renames the name[...] attributes of E2E meaning representations; "
+                             f"the data {cfg.data!r} has none (leave it at 0)")
+        augmenter = NameAugmenter(train_rows, train_items, cfg.augment_names, cfg.seed, tokenizer, cfg.chat, max_len)
     val_rows = task.validation[: cfg.eval_examples] if cfg.eval_examples > 0 else []
     val_items, _ = _tokenize(tokenizer, val_rows, cfg.chat, max_len)
 
@@ -374,7 +383,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
             label = draw_schedule(labels, cfg.seed, step)
             sched = schedules[label]
             idx = global_batch_indices(len(train_items), cfg.batch_size, step, cfg.seed)
-            global_items = [train_items[i] for i in idx]
+            global_items = ([train_items[i] for i in idx] if augmenter is None
+                            else augmenter.batch(idx, step * cfg.batch_size))
             n_target = sum(len(t) for _, t in global_items)
             n_input = sum(len(p) + len(t) - 1 for p, t in global_items)
             local = global_items[env.rank * per_rank * cfg.grad_accum:(env.rank + 1) * per_rank * cfg.grad_accum]
