@@ -118,10 +118,26 @@ def test_gguf_file_loads_and_converts_once(hf_llama, tmp_path, monkeypatch):
     (out,) = llm.generate("hi", max_new_tokens=3, chat=False, ignore_eos=True)
     assert out.new_tokens == 3
 
+    # the special tokens are the ones the GGUF records (ids 1 and 2), whatever transformers made of them
+    assert (llm.tokenizer.bos_token_id, llm.tokenizer.eos_token_id) == (1, 2) and 2 in llm.eos_token_ids
+
     # a changed file is a different model: converted anew, not served stale
     st = gguf_path.stat()
     os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert resolve(gguf_path) != path
+
+
+def test_special_tokens_are_pinned_to_the_ids_the_gguf_records(hf_llama, tmp_path):
+    """A tokenizer whose EOS a transformers version got wrong is set back to the GGUF's ids."""
+    from transformers import AutoTokenizer
+
+    gguf_path = write_tiny_gguf(hf_llama, tmp_path / "tiny.gguf")
+    ids = ckpt.gguf_special_token_ids(gguf_path)
+    assert ids == {"bos_token": 1, "eos_token": 2}
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    tok.eos_token = tok.convert_ids_to_tokens(1)  # the wrong one
+    ckpt.pin_special_tokens(tok, ids)
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -181,7 +182,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             bar.update()
             hf_cfg.architectures = [type(skeleton).__name__]
             hf_cfg.save_pretrained(tmp)
-            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            pin_special_tokens(tok, gguf_special_token_ids(gguf))
+            tok.save_pretrained(tmp)
             bar.update()
 
     try:
@@ -192,6 +195,33 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     except (ValueError, struct.error, KeyError, IndexError, TypeError, EOFError, OverflowError, MemoryError) as e:
         raise ModelError(f"cannot read {gguf}: it is truncated or corrupt ({type(e).__name__}: {e}); "
                          "download it again") from None
+
+
+_GGUF_SPECIAL = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                 "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
+    """The special tokens' ids a GGUF file records (``{"eos_token": 2, ...}``)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    out = {}
+    for role, key in _GGUF_SPECIAL.items():
+        f = fields.get(key)
+        if f is not None and f.data:
+            out[role] = int(f.parts[f.data[0]][0])
+    return out
+
+
+def pin_special_tokens(tokenizer: Any, ids: dict[str, int]) -> None:
+    """Set the tokenizer's special tokens to the ids the GGUF records. transformers
+    versions map them differently (5.17 made SmolLM2's EOS ``<|im_start|>`` instead of
+    ``<|im_end|>``), and a wrong EOS trains answers that end with the wrong token and
+    generations that never stop."""
+    for role, i in ids.items():
+        if 0 <= i < len(tokenizer):
+            setattr(tokenizer, role, tokenizer.convert_ids_to_tokens(i))
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
