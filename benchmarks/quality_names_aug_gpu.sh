@@ -8,9 +8,9 @@
 #   - default-e2e-names-aug-1800:  both;
 #   - heldout-full-only-{names-aug,1800,names-aug-1800}: their references.
 # (The 900-step reference of the shipped recipe is heldout-full-only, quality_heldout_gpu.sh.)
-# Each writes runs/NAME (a LoRA adapter and its train_log.jsonl) and runs/NAME.log; a
-# killed run resumes when the script is run again. The adapters are scored on the CPU:
-#   skipdecode evaluate --task e2e --split select --model runs/NAME --speedups 1,2,3,4,5
+# Each writes runs/gpu-NAME (a LoRA adapter and its train_log.jsonl) and runs/gpu-NAME.log;
+# a killed run resumes when the script is run again. benchmarks/screen_names_aug_gpu.sh
+# scores them on select, on the CPU.
 # Run from the repository root.
 set -euo pipefail
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -18,9 +18,10 @@ SD=${SKIPDECODE:-skipdecode}
 mkdir -p runs
 run() {  # run NAME RECIPE [train flags...]: train (or resume, or skip when finished) on the GPU
   local name=$1 recipe=$2; shift 2
-  [ -f runs/$name/adapter_model.safetensors ] && return 0
-  $SD train --config $recipe -o runs/$name --device cuda $([ -d runs/$name/checkpoints ] && echo --resume) "$@" \
-    >> runs/$name.log 2>&1
+  local dir=runs/gpu-$name
+  [ -f $dir/adapter_model.safetensors ] && return 0
+  $SD train --config $recipe -o $dir --device cuda $([ -d $dir/checkpoints ] && echo --resume) "$@" \
+    >> $dir.log 2>&1
 }
 $SD --version  # fail early when the command is missing
 NESTED=recipes/default-e2e-nested.yaml AUG=recipes/default-e2e-names-aug.yaml
@@ -33,5 +34,5 @@ run default-e2e-names-aug-1800 $AUG --steps 1800 & pids+=($!)
 run heldout-full-only-names-aug-1800 $AUG --steps 1800 --speedups 1 & pids+=($!)
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
-tail -n 2 runs/*.log
+tail -n 2 runs/gpu-*.log
 exit $status

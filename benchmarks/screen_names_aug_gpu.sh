@@ -14,10 +14,10 @@ export HF_HUB_OFFLINE=1
 R=benchmarks/results DATA=../shared/data/e2e/devset.csv
 for m in default-e2e-names-aug default-e2e-nested-1800 default-e2e-names-aug-1800 heldout-full-only-names-aug \
          heldout-full-only-1800 heldout-full-only-names-aug-1800; do
-  p=$(.venv/bin/python -c "from skipdecode.checkpoint import resolve; print(resolve('runs/$m'))" 2>/dev/null | tail -1)
+  p=$(.venv/bin/python -c "from skipdecode.checkpoint import resolve; print(resolve('runs/gpu-$m'))" 2>/dev/null | tail -1)
   echo '{"eos_token_id": [1, 2]}' > "$p/generation_config.json"
   sp=1,2,3,4,5; case $m in heldout-*) sp=1;; esac
-  cp runs/$m/train_log.jsonl $R/train-log-screen-$m.jsonl
+  cp runs/gpu-$m/train_log.jsonl $R/train-log-screen-$m.jsonl
   [ -f $R/eval-select-screen-$m.json ] || .venv/bin/skipdecode evaluate --task e2e --data $DATA --split select \
-    --model runs/$m --speedups $sp --out $R/eval-select-screen-$m.json
+    --model runs/gpu-$m --speedups $sp --out $R/eval-select-screen-$m.json
 done
