@@ -48,23 +48,26 @@ def synthetic_name(rng: random.Random, words: Sequence[str]) -> str:
     return ("The " if rng.random() < 0.3 else "") + " ".join(parts)
 
 
+def name_attributes(prompt: str) -> list[tuple[str, str]]:
+    """The ``(key, name)`` pairs of a prompt's name attributes (``[("name", "The Eagle")]``)."""
+    found = ((key, re.search(rf"\b{key}\[([^\]]+)\]", prompt)) for key in NAME_KEYS)
+    return [(key, m.group(1)) for key, m in found if m]
+
+
 def augment_example(ex: Example, rng: random.Random, words: Sequence[str]) -> Example | None:
     """``ex`` with each name attribute that its reference spells verbatim renamed, or None
     when there is none (the reference paraphrases the name, or the prompt has no names)."""
-    new_prompt, new_target = ex.prompt, ex.target
-    olds = []
-    for key in NAME_KEYS:
-        m = re.search(rf"\b{key}\[([^\]]+)\]", new_prompt)
-        if m and m.group(1) in ex.target:
-            olds.append((key, m.group(1)))
+    olds = [(key, name) for key, name in name_attributes(ex.prompt) if name in ex.target]
     if not olds:
         return None
-    # placeholders first, longest name first: one name inside another ("The Mill" in "The Mill Pub") stays intact
     fresh = {old: synthetic_name(rng, words) for _, old in olds}
-    for k, (key, old) in enumerate(sorted(olds, key=lambda kv: -len(kv[1]))):
+    # placeholders first, longest name first: one name inside another ("The Mill" in "The Mill Pub") stays intact
+    olds.sort(key=lambda kv: -len(kv[1]))
+    new_prompt, new_target = ex.prompt, ex.target
+    for k, (key, old) in enumerate(olds):
         new_prompt = new_prompt.replace(f"{key}[{old}]", f"{key}[\0{k}\0]")
         new_target = new_target.replace(old, f"\0{k}\0")
-    for k, (_, old) in enumerate(sorted(olds, key=lambda kv: -len(kv[1]))):
+    for k, (_, old) in enumerate(olds):
         new_prompt = new_prompt.replace(f"\0{k}\0", fresh[old])
         new_target = new_target.replace(f"\0{k}\0", fresh[old])
     return Example(new_prompt, new_target, ex.group)

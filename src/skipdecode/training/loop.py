@@ -51,7 +51,6 @@ import contextlib
 import json
 import math
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -74,7 +73,7 @@ from ..policies.importance import answer_influence, nested_order, removal_order
 from ..pull import PULLABLE
 from ..schedule import SkipSchedule
 from ..tokenization import load_tokenizer
-from .augment import NameAugmenter
+from .augment import NameAugmenter, name_attributes
 from .batch import (
     _micro_batches,
     _tokenize,
@@ -289,7 +288,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         raise TrainError(f"{len(train_items)} training examples are fewer than one batch of {cfg.batch_size}")
     augmenter = None
     if cfg.augment_names > 0:
-        if not any(re.search(r"\bname\[[^\]]+\]", ex.prompt) for ex in train_rows):
+        if not any(key == "name" for ex in train_rows for key, _ in name_attributes(ex.prompt)):
             raise TrainError(f"--augment-names renames the name[...] attributes of E2E meaning representations; "
                              f"the data {cfg.data!r} has none (leave it at 0)")
         augmenter = NameAugmenter(train_rows, train_items, cfg.augment_names, cfg.seed, tokenizer, cfg.chat, max_len)
