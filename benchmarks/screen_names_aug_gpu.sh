@@ -8,7 +8,8 @@
 # adapters came back from the GPU machine rounded to bf16 (the files scored here).
 # A screen of the levers, never shipped: skipdecode's conversion now pins the GGUF's own
 # special-token ids, so a rerun trains the right EOS. Run from the repository root.
-# Writes benchmarks/results/eval-select-screen-NAME.json and train-log-screen-NAME.jsonl.
+# Writes benchmarks/results/eval-select-screen-NAME.json and train-log-screen-NAME.jsonl (and, last,
+# eval-report-screen-heldout-full-only-names-aug-1800.json).
 set -euo pipefail
 export HF_HUB_OFFLINE=1
 R=benchmarks/results DATA=../shared/data/e2e/devset.csv
@@ -21,3 +22,8 @@ for m in default-e2e-names-aug default-e2e-nested-1800 default-e2e-names-aug-180
   [ -f $R/eval-select-screen-$m.json ] || .venv/bin/skipdecode evaluate --task e2e --data $DATA --split select \
     --model runs/gpu-$m --speedups $sp --out $R/eval-select-screen-$m.json
 done
+# The shipped default-e2e's recipe at full depth only (1800 steps with renaming) is the reference its 1x is
+# held to; a reference is compared with, never chosen, so it is also scored on report (1x only).
+[ -f $R/eval-report-screen-heldout-full-only-names-aug-1800.json ] || .venv/bin/skipdecode evaluate --task e2e \
+  --data $DATA --split report --model runs/gpu-heldout-full-only-names-aug-1800 --speedups 1 \
+  --out $R/eval-report-screen-heldout-full-only-names-aug-1800.json

@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# The shipped `default-e2e` (recipes/default-e2e-nested.yaml): LoRA r=32 (alpha 64)
-# on all block linears, 900 steps of 16, lr 1e-3, on the training part of
+# The shipped `default-e2e` (recipes/default-e2e-names-aug-1800.yaml): LoRA r=32 (alpha 64)
+# on all block linears, 1800 steps of 16, lr 1e-3, on the training part of
 # e2e-heldout (no example names a restaurant of its select or report part),
 # one checkpoint for 1x-5x with 1x drawn twice as often, front-loaded
 # schedules (--horizon 3 --decay 5: the first three answer tokens run deep),
-# and nested layer sets: budget b runs the b layers of highest Block Influence
-# on the base model, in depth order. Chosen on select among skipping the
-# bottom (recipes/default-e2e.yaml, the model shipped before), nested by
-# influence and nested by greedy removal (docs/results.md).
+# nested layer sets (budget b runs the b layers of highest Block Influence
+# on the base model, in depth order), and name augmentation (half of the drawn
+# examples get synthetic restaurant names, in the prompt and the reference).
+# Chosen on select among skipping the bottom (recipes/default-e2e.yaml), nested
+# by influence (recipes/default-e2e-nested.yaml, the model shipped before), nested
+# by greedy removal and nested with name augmentation (docs/results.md).
 # Copies the adapter (about 32 MB) and its training log into the package, then
 # scores the shipped model at 1x-5x on select (where choices are made) and
 # once on report (never chosen on), and calibrates its adaptive thresholds on select.
-# About 100 min of training on 2 CPU cores; a killed run resumes.
+# About 4.3 h of training on 2 CPU cores (in pieces: a killed run resumes).
 # Another candidate ships the same way: RECIPE=recipes/X.yaml RUN=runs/X benchmarks/ship_default_e2e.sh
 # (chosen on select only: the eval-select-*.json of each candidate, benchmarks/quality_heldout.sh).
 # Run from the repository root.
 set -euo pipefail
 export HF_HUB_OFFLINE=1
 BIN=.venv/bin
-RECIPE=${RECIPE:-recipes/default-e2e-nested.yaml}
-RUN=${RUN:-runs/default-e2e-nested}
+RECIPE=${RECIPE:-recipes/default-e2e-names-aug-1800.yaml}
+RUN=${RUN:-runs/default-e2e-names-aug-1800}
 CAL=runs/adaptive-cal-$(basename "$RUN")
 SHIP=src/skipdecode/models/default-e2e
 R=benchmarks/results

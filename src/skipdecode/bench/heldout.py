@@ -34,7 +34,8 @@ RESULTS = Path("benchmarks/results")
 SPLITS = ("select", "report")
 REFERENCE = "full-depth fine-tuning"
 SHIPPED = "default-e2e (shipped)"
-SKIP = "skipping the bottom layers (default-e2e before)"
+NESTED = "nested layer sets, no renaming (default-e2e before)"
+SKIP = "skipping the bottom layers (default-e2e before that)"
 STATIC_DROP = "static layer drop (ShortGPT)"
 EARLY_EXIT = "early exit"
 SHIPPED_05B = "qwen2.5-coder-0.5b-e2e"
@@ -71,10 +72,15 @@ def heldout_rows() -> list[HeldoutRow]:
     return [
         HeldoutRow("untrained", "untrained", "default"),
         HeldoutRow(REFERENCE, "full-only", "runs/heldout-full-only", targets=(1.0,)),
-        # the shipped default-e2e: nested layer sets by measured influence (recipes/default-e2e-nested.yaml)
+        # the shipped default-e2e: nested layer sets by measured influence, trained with name augmentation
+        # (recipes/default-e2e-names-aug-1800.yaml)
         HeldoutRow(SHIPPED, "default-e2e", "default-e2e"),
         HeldoutRow("default-e2e, adaptive budgets", "default-e2e-adaptive", "default-e2e",
                    targets=(2.0, 3.0, 4.0), adaptive=True, own=SHIPPED),
+        # the same without name augmentation (recipes/default-e2e-nested.yaml), shipped before it
+        HeldoutRow(NESTED, "default-e2e-nested", "runs/default-e2e-nested"),
+        HeldoutRow("nested, no renaming, adaptive budgets", "default-e2e-nested-adaptive", "runs/default-e2e-nested",
+                   targets=(2.0, 3.0, 4.0), adaptive=True, own=NESTED),
         # SkipDecode's skip-the-bottom recipe (recipes/default-e2e.yaml), shipped before nested replaced it
         HeldoutRow(SKIP, "default-e2e-skip", "runs/default-e2e-skip"),
         HeldoutRow("skipping the bottom, adaptive budgets", "default-e2e-skip-adaptive", "runs/default-e2e-skip",
