@@ -35,6 +35,10 @@ ev untrained default --speedups 1,2,3,4,5
     --speedups 1,2,3,4,5 --out $R/eval-select-default-e2e-names-aug-1800.json; }
 [ -f $R/eval-report-default-e2e.json ] || benchmarks/ship_default_e2e.sh
 # (ship_default_e2e.sh also calibrates and scores the adaptive thresholds: eval-*-default-e2e-adaptive.json)
+# the shipped recipe at full depth only (--speedups 1), the reference the shipped model's 1x is held to:
+# trained on one GPU by benchmarks/screen_weights_gpu.sh (here instead when runs/ does not hold it)
+scored screen-names-aug-1800-ref || train gpu-names-aug-1800-ref recipes/default-e2e-names-aug-1800.yaml --speedups 1
+ev screen-names-aug-1800-ref runs/gpu-names-aug-1800-ref --speedups 1
 # SkipDecode's skip-the-bottom recipe, the default-e2e shipped before nested layer sets (its eval-*-default-e2e-skip*.json
 # and adaptive thresholds came from ship_default_e2e.sh when it shipped that recipe)
 scored default-e2e-skip || train default-e2e-skip recipes/default-e2e.yaml

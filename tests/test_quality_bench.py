@@ -160,12 +160,16 @@ def test_the_heldout_table_scores_report_and_select_and_times_each_row_in_one_ru
             {**_res(3.0, 36.0 + bonus, skip3, prompts), "names_copied": 0.5, "bleu_many_attributes": 30.0}]}))
     rows = [HeldoutRow(REF, "ref", "runs/ref", base=str(tiny_cli_dir), targets=(1.0,)),
             HeldoutRow("SkipDecode", "sd", "runs/sd", base=str(tiny_cli_dir), targets=(1.0, 3.0)),
-            HeldoutRow("never run", "none", "runs/none", base=str(tiny_cli_dir), targets=(2.0,))]
+            HeldoutRow("never run", "none", "runs/none", base=str(tiny_cli_dir), targets=(2.0,)),
+            # scored, but its budgets follow a model that is not on this machine: listed, never timed
+            HeldoutRow("adaptive", "sd", str(tmp_path / "runs" / "gone"), base=str(tiny_cli_dir), targets=(3.0,),
+                       adaptive=True, own="SkipDecode")]
     with one_thread():
         rep = run_heldout_quality(tmp_path / "out", res, new_tokens=4, batch=2, repeats=1, rows=rows)
     got = {(r["method"], r["speedup_target"]): r for r in rep["results"]}
     assert set(got) == {(REF, 1.0), ("SkipDecode", 1.0), ("SkipDecode", 3.0)}
     assert rep["not_yet_measured"] == ["never run 2x"]
+    assert rep["not_timed"] == [f"adaptive 3x ({tmp_path / 'runs' / 'gone'} not present)"]
     sd3 = got[("SkipDecode", 3.0)]
     assert sd3["report"]["bleu"] == 36.0 and sd3["select"]["bleu"] == 41.0  # each split from its own report
     assert sd3["report"]["bleu_kept_own"] == pytest.approx(36 / 48, abs=1e-4)
@@ -177,13 +181,13 @@ def test_the_heldout_table_scores_report_and_select_and_times_each_row_in_one_ru
     # full depth of the base is the speed reference: a 1x row runs at about 1.0x
     assert got[("SkipDecode", 1.0)]["wall_clock_speedup"] == pytest.approx(1.0, abs=1e-9)
     md = (tmp_path / "out" / "quality.md").read_text()
-    assert "| SkipDecode | 3x |" in md and "never run 2x" in md and "50%" in md
+    assert "| SkipDecode | 3x |" in md and "never run 2x" in md and "50%" in md and "Scored but not timed" in md
     for png in ("quality.png", "quality-appendix.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
 
 
 def test_the_seed_spread_gives_each_seeds_bleu_kept_and_names_with_mean_and_range(tmp_path):
-    from skipdecode.bench.heldout import REFERENCE as REF, render_markdown, seed_spread
+    from skipdecode.bench.heldout import SEED_REFERENCE as REF, render_markdown, seed_spread
 
     def write(stem: str, split: str, scores: dict[float, float]) -> None:
         (tmp_path / f"eval-{split}-{stem}.json").write_text(json.dumps({"results": [

@@ -32,7 +32,10 @@ from .quality import _kept, _percent, _result, paired_interval, time_generation,
 
 RESULTS = Path("benchmarks/results")
 SPLITS = ("select", "report")
-REFERENCE = "full-depth fine-tuning"
+# the shipped recipe trained at full depth only (--speedups 1): what the shipped model's 1x is held to
+REFERENCE = "full-depth fine-tuning (shipped recipe, 1x only)"
+# the skip-the-bottom recipe at full depth only, trained at three seeds: the noise floor between two runs
+SEED_REFERENCE = "full-depth fine-tuning (skip-the-bottom recipe, 1x only)"
 SHIPPED = "default-e2e (shipped)"
 NESTED = "nested layer sets, no renaming (default-e2e before)"
 SKIP = "skipping the bottom layers (default-e2e before that)"
@@ -45,7 +48,7 @@ HEADLINE = (SHIPPED, SHIPPED_05B, STATIC_DROP, EARLY_EXIT, REFERENCE)  # at most
 # Recipes trained at several seeds (data order, schedule draws, LoRA init; benchmarks/quality_heldout_gpu.sh,
 # one GPU): how far runs of one recipe land apart is the noise floor of any comparison between two runs.
 SEED_GROUPS: dict[str, tuple[str, ...]] = {
-    REFERENCE: ("full-only", "full-only-seed1", "full-only-seed2"),
+    SEED_REFERENCE: ("full-only", "full-only-seed1", "full-only-seed2"),
     "the skip-the-bottom recipe (recipes/default-e2e.yaml)": ("default-e2e-cuda", "default-e2e-cuda-seed1",
                                                               "default-e2e-cuda-seed2"),
 }
@@ -71,7 +74,9 @@ class HeldoutRow:
 def heldout_rows() -> list[HeldoutRow]:
     return [
         HeldoutRow("untrained", "untrained", "default"),
-        HeldoutRow(REFERENCE, "full-only", "runs/heldout-full-only", targets=(1.0,)),
+        # benchmarks/screen_weights_gpu.sh (one GPU, adapter rounded to bf16)
+        HeldoutRow(REFERENCE, "screen-names-aug-1800-ref", "runs/gpu-names-aug-1800-ref", targets=(1.0,)),
+        HeldoutRow(SEED_REFERENCE, "full-only", "runs/heldout-full-only", targets=(1.0,)),
         # the shipped default-e2e: nested layer sets by measured influence, trained with name augmentation
         # (recipes/default-e2e-names-aug-1800.yaml)
         HeldoutRow(SHIPPED, "default-e2e", "default-e2e"),
@@ -95,6 +100,11 @@ def heldout_rows() -> list[HeldoutRow]:
         HeldoutRow("qwen2.5-coder-0.5b, gentler recipe", "qwen2.5-coder-0.5b-e2e-gentle",
                    "runs/qwen2.5-coder-0.5b-e2e-gentle", base="qwen2.5-coder-0.5b"),
     ]
+
+
+def _local_run_missing(model: str) -> bool:
+    """A model named by a local path (``runs/NAME``) that is not on this machine."""
+    return ("/" in model or model.startswith(".")) and not Path(model).exists()
 
 
 def seed_spread(results: Path = RESULTS, groups: dict[str, tuple[str, ...]] | None = None) -> list[dict[str, Any]]:
@@ -144,6 +154,11 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
                     loaded.setdefault(row.name, {}).setdefault(target, {})[split] = {**res, "_path": str(p)}
     have = [(row, t) for row in rows for t in row.targets if "report" in loaded.get(row.name, {}).get(t, {})]
     missing = [f"{row.name} {t:g}x" for row in rows for t in row.targets if (row, t) not in have]
+    # an adaptive row's budgets follow its own model's confidence, so it is timed on that model; a
+    # local run that is not on this machine (runs/ is not committed) cannot be timed in this run
+    absent = {row.name for row, _ in have if row.adaptive and _local_run_missing(row.model)}
+    untimed = [f"{row.name} {t:g}x ({row.model} not present)" for row, t in have if row.name in absent]
+    have = [(row, t) for row, t in have if row.name not in absent]
     if not have:
         raise RuntimeError(f"no report evaluations under {results}: run benchmarks/ship_default_e2e.sh first")
     first = loaded[have[0][0].name][have[0][1]]["report"]
@@ -238,6 +253,7 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
         "machine": machine_info(),
         "commands": ["benchmarks/quality_heldout.sh", "skipdecode bench --quality"],
         "not_yet_measured": missing,
+        "not_timed": untimed,
         "results": table,
         "seed_spread": seed_spread(results, seed_groups),
     }
@@ -296,15 +312,18 @@ def render_markdown(rep: dict) -> str:
                 + " / ".join(_percent(x) for x in g["names_copied"]) + " |")
         one = {(g["recipe"], g["split"]): g["bleu_stats"] for g in spread if g["speedup_target"] == 1.0}
         for split in SPLITS:
-            ref = one.get((REFERENCE, split))
+            ref = one.get((SEED_REFERENCE, split))
             for (recipe, sp), st in one.items():
-                if sp == split and recipe != REFERENCE and ref:
+                if sp == split and recipe != SEED_REFERENCE and ref:
                     single = st["min"] == st["max"] and ref["min"] == ref["max"]
                     lines += ["", f"{split}, 1x: {recipe} {st['mean']:.2f} {'' if single else 'mean '}BLEU against "
                                   f"the full-depth-only reference's {ref['mean']:.2f} (difference "
                                   f"{st['mean'] - ref['mean']:+.2f}" + ("" if single else
                                   f"; seed ranges {st['min']:.2f}-{st['max']:.2f} and {ref['min']:.2f}-{ref['max']:.2f}")
                                   + ")."]
+    if rep.get("not_timed"):
+        lines += ["", "Scored but not timed in this run (an adaptive row is timed on its own model, a local run "
+                      "not on this machine): " + ", ".join(rep["not_timed"]) + "."]
     if rep["not_yet_measured"]:
         lines += ["", "Not yet measured (no report evaluation committed): " + ", ".join(rep["not_yet_measured"])
                   + "."]
@@ -326,8 +345,8 @@ def plot(rep: dict, path: Path, headline: bool) -> None:
     for i, name in enumerate(methods):
         rows = sorted((r for r in rep["results"] if r["method"] == name), key=lambda r: r["wall_clock_speedup"])
         pts = [(r["wall_clock_speedup"], r["report"]["bleu"]) for r in rows]
-        if name == REFERENCE:
-            ax.axhline(pts[0][1], color="grey", ls="--", lw=1, label=f"{name} (1x)")
+        if name in (REFERENCE, SEED_REFERENCE):  # 1x only: a level to compare with
+            ax.axhline(pts[0][1], color="grey" if name == REFERENCE else colors[i % 10], ls="--", lw=1, label=name)
             continue
         shipped = name in (SHIPPED, SHIPPED_05B)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*" if shipped else "o",
