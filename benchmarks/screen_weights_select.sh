@@ -5,8 +5,10 @@
 # here, and the files that would ship). A reference is compared with, never chosen, so it is also
 # scored on report (1x only). Writes benchmarks/results/eval-select-screen-NAME.json,
 # train-log-screen-NAME.jsonl and eval-report-screen-names-aug-1800-ref.json.
-# Then: .venv/bin/python benchmarks/choose_on_select.py default-e2e screen-names-aug-1800-gpu \
-#         screen-names-aug-1800-2x2 screen-names-aug-1800-2x2-5x2
+# Then, with every earlier candidate (benchmarks/results/choice-on-select.json):
+#   .venv/bin/python benchmarks/choose_on_select.py default-e2e-skip default-e2e-nested \
+#     default-e2e-nested-removal default-e2e-names-aug-1800 screen-names-aug-1800-gpu \
+#     screen-names-aug-1800-2x2 screen-names-aug-1800-2x2-5x2
 # Run from the repository root.
 set -euo pipefail
 export HF_HUB_OFFLINE=1
