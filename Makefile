@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-serve-vllm bench-ray bench-lossless vllm-venv llamacpp-venv llamacpp-avx2 bench-llamacpp bench-llamacpp-avx2
+.PHONY: setup setup-dev demo test bench bench-quick bench-engine bench-serve bench-serve-vllm bench-ray bench-lossless vllm-venv llamacpp-venv llamacpp-avx2 llamacpp-noamx bench-llamacpp bench-llamacpp-avx2
 
 setup: $(STAMP)  ## the library, CLI, server, evaluation and benchmarks (no Ray, no test tools)
 setup-dev: $(DEV_STAMP)  ## plus Ray Serve, pytest and the fuzzers
@@ -94,6 +94,19 @@ $(LLAMACPP_VENV)/build-avx2/bin/llama-server: $(LLAMACPP_VENV)/.installed
 	cmake --build $(LLAMACPP_VENV)/build-avx2 -j $$(nproc) --target llama llama-server llama-quantize
 
 llamacpp-avx2: $(LLAMACPP_VENV)/build-avx2/bin/llama-server
+
+# The native AVX-512 build without llama.cpp's AMX path: on a virtual machine whose CPU reports AMX,
+# llama.cpp's native build died on Q8_0 with SIGILL (exit -4) while oneDNN's AMX ran; this build
+# keeps every other native feature (another 12 minutes on 2 cores).
+$(LLAMACPP_VENV)/build-noamx/bin/llama-server: $(LLAMACPP_VENV)/.installed
+	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build-noamx -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
+	  -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake --build $(LLAMACPP_VENV)/build-noamx -j $$(nproc) --target llama llama-server llama-quantize
+
+llamacpp-noamx: $(LLAMACPP_VENV)/build-noamx/bin/llama-server
 
 bench-llamacpp: setup llamacpp-venv  ## skipdecode against llama.cpp, every dtype, batch 1/8/32: benchmarks/results/llamacpp.{json,md}
 	$(BIN)/skipdecode bench --llamacpp

@@ -31,6 +31,8 @@ def test_the_avx2_build_has_its_own_make_target_and_unknown_builds_are_refused(t
 
     with pytest.raises(LlamaCppMissing, match="make llamacpp-venv` then `make llamacpp-avx2"):
         llamacpp_paths(tmp_path / "nowhere", "build-avx2")
+    with pytest.raises(LlamaCppMissing, match="make llamacpp-venv` then `make llamacpp-noamx"):
+        llamacpp_paths(tmp_path / "nowhere", "build-noamx")
     with pytest.raises(SkipDecodeError, match="unknown llama.cpp build 'build-avx512'"):
         llamacpp_paths(VENV, "build-avx512")
 

@@ -45,7 +45,9 @@ class LlamaCppMissing(SkipDecodeError):
     """The llama.cpp virtualenv is not built."""
 
 
-BUILDS = {"build": "llamacpp-venv", "build-avx2": "llamacpp-avx2"}  # build folder -> the make target that makes it
+# build folder -> the make target that makes it; build-noamx: native AVX-512 without llama.cpp's AMX
+# path, which died with SIGILL on a virtual machine whose CPU reports AMX
+BUILDS = {"build": "llamacpp-venv", "build-avx2": "llamacpp-avx2", "build-noamx": "llamacpp-noamx"}
 
 
 def llamacpp_paths(venv: str | os.PathLike = LLAMACPP_VENV, build: str = "build") -> dict[str, Path]:
@@ -268,8 +270,9 @@ def render_markdown(report: dict) -> str:
     command = ("make bench-llamacpp-avx2" if avx2 and build == "build-avx2" else
                f"skipdecode bench --llamacpp{' --quick' if s['quick'] else ''}"
                + (f" --llamacpp-build {build}" if build != "build" else ""))
-    llama_isa = ("with AVX2/FMA only (`make llamacpp-avx2`)" if build == "build-avx2"
-                 else "with its native ISA (`make llamacpp-venv`)")
+    llama_isa = {"build-avx2": "with AVX2/FMA only (`make llamacpp-avx2`)",
+                 "build-noamx": "with AVX-512 but without its AMX path (`make llamacpp-noamx`)"}.get(
+        build, "with its native ISA (`make llamacpp-venv`)")
     lines = [
         "# Decode speed: skipdecode against llama.cpp" + (", AVX2 forms" if avx2 else ""),
         "",
