@@ -95,9 +95,10 @@ $(LLAMACPP_VENV)/build-avx2/bin/llama-server: $(LLAMACPP_VENV)/.installed
 
 llamacpp-avx2: $(LLAMACPP_VENV)/build-avx2/bin/llama-server
 
-# The native AVX-512 build without llama.cpp's AMX path: on a virtual machine whose CPU reports AMX,
-# llama.cpp's native build died on Q8_0 with SIGILL (exit -4) while oneDNN's AMX ran; this build
-# keeps every other native feature (another 12 minutes on 2 cores).
+# llama.cpp with AVX-512, VNNI and BF16 named explicitly and its AMX path off: on a virtual machine
+# whose CPU reports AMX, the native build (-march=native, which turns AMX on) ran F32 but died with
+# SIGILL on Q8_0, a type its AMX path takes, while oneDNN's AMX ran; this build runs every type
+# there (another 12 minutes on 2 cores).
 $(LLAMACPP_VENV)/build-noamx/bin/llama-server: $(LLAMACPP_VENV)/.installed
 	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build-noamx -DCMAKE_BUILD_TYPE=Release \
 	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
