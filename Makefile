@@ -63,6 +63,16 @@ vllm-venv: $(VLLM_STAMP)
 # same tree with this virtualenv's python (torch, transformers, sentencepiece), so GGUFs are made
 # from the same Hugging Face weights skipdecode runs.
 LLAMACPP_VENV := .venv-llamacpp
+# $(call llamacpp_build,FOLDER,ISA FLAGS): configure and build llama.cpp's libraries, server and
+# quantizer from the vendored tree into $(LLAMACPP_VENV)/FOLDER, every build alike but for its ISA
+define llamacpp_build
+cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/$(1) -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=ON $(2) -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake --build $(LLAMACPP_VENV)/$(1) -j $$(nproc) --target llama llama-server llama-quantize
+endef
+# the x86 features every explicit (not native) build names
+LLAMACPP_X86 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMACPP_VERSION := 0.3.36
 $(LLAMACPP_VENV)/.installed:
 	test -x $(LLAMACPP_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_VENV)
@@ -71,10 +81,7 @@ $(LLAMACPP_VENV)/.installed:
 	  llama-cpp-python==$(LLAMACPP_VERSION)
 	rm -rf $(LLAMACPP_VENV)/src && mkdir -p $(LLAMACPP_VENV)/src
 	tar xzf $(LLAMACPP_VENV)/sdist/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_VENV)/src --strip-components 1
-	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build -DCMAKE_BUILD_TYPE=Release \
-	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
-	cmake --build $(LLAMACPP_VENV)/build -j $$(nproc) --target llama llama-server llama-quantize
+	$(call llamacpp_build,build,-DGGML_NATIVE=ON)
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(LLAMACPP_VENV)/bin/pip install -q $(LLAMACPP_VENV)/src
 	$(LLAMACPP_VENV)/bin/pip install -q -c constraints.txt numpy torch transformers safetensors sentencepiece protobuf
 	LLAMA_CPP_LIB_PATH=$(CURDIR)/$(LLAMACPP_VENV)/build/bin $(LLAMACPP_VENV)/bin/python -c \
@@ -86,12 +93,8 @@ llamacpp-venv: $(LLAMACPP_VENV)/.installed
 # The same tree built for AVX2/FMA only (no AVX-512): what llama.cpp runs on an AVX2-only CPU,
 # for timing both engines' AVX2 code on any x86-64 machine (another 12 minutes on 2 cores).
 $(LLAMACPP_VENV)/build-avx2/bin/llama-server: $(LLAMACPP_VENV)/.installed
-	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build-avx2 -DCMAKE_BUILD_TYPE=Release \
-	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	  -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VBMI=OFF \
-	  -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
-	cmake --build $(LLAMACPP_VENV)/build-avx2 -j $$(nproc) --target llama llama-server llama-quantize
+	$(call llamacpp_build,build-avx2,$(LLAMACPP_X86) -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF \
+	  -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX_VNNI=OFF)
 
 llamacpp-avx2: $(LLAMACPP_VENV)/build-avx2/bin/llama-server
 
@@ -100,12 +103,9 @@ llamacpp-avx2: $(LLAMACPP_VENV)/build-avx2/bin/llama-server
 # SIGILL on Q8_0, a type its AMX path takes, while oneDNN's AMX ran; this build runs every type
 # there (another 12 minutes on 2 cores).
 $(LLAMACPP_VENV)/build-noamx/bin/llama-server: $(LLAMACPP_VENV)/.installed
-	cmake -S $(LLAMACPP_VENV)/src/vendor/llama.cpp -B $(LLAMACPP_VENV)/build-noamx -DCMAKE_BUILD_TYPE=Release \
-	  -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	  -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
-	  -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF \
-	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
-	cmake --build $(LLAMACPP_VENV)/build-noamx -j $$(nproc) --target llama llama-server llama-quantize
+	$(call llamacpp_build,build-noamx,$(LLAMACPP_X86) -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+	  -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	  -DGGML_AMX_BF16=OFF)
 
 llamacpp-noamx: $(LLAMACPP_VENV)/build-noamx/bin/llama-server
 
