@@ -4,7 +4,8 @@
 # reference at 1x. Their adapters came back from the GPU machine rounded to bf16 (the files scored
 # here, and the files that would ship). A reference is compared with, never chosen, so it is also
 # scored on report (1x only). Writes benchmarks/results/eval-select-screen-NAME.json,
-# train-log-screen-NAME.jsonl and eval-report-screen-names-aug-1800-ref.json.
+# train-log-screen-NAME.jsonl, train-meta-screen-NAME.json (the run's skipdecode.json) and
+# eval-report-screen-names-aug-1800-ref.json.
 # Then, with every earlier candidate (benchmarks/results/choice-on-select.json):
 #   .venv/bin/python benchmarks/choose_on_select.py default-e2e-skip default-e2e-nested \
 #     default-e2e-nested-removal default-e2e-names-aug-1800 screen-names-aug-1800-gpu \
@@ -16,6 +17,7 @@ R=benchmarks/results DATA=../shared/data/e2e/devset.csv
 for m in names-aug-1800-gpu names-aug-1800-2x2 names-aug-1800-2x2-5x2 names-aug-1800-ref; do
   sp=1,2,3,4,5; case $m in *-ref) sp=1;; esac
   cp runs/gpu-$m/train_log.jsonl $R/train-log-screen-$m.jsonl
+  cp runs/gpu-$m/skipdecode.json $R/train-meta-screen-$m.json  # its validation loss on select per target
   [ -f $R/eval-select-screen-$m.json ] || .venv/bin/skipdecode evaluate --task e2e --data $DATA --split select \
     --model runs/gpu-$m --speedups $sp --out $R/eval-select-screen-$m.json
 done
