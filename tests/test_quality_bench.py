@@ -186,6 +186,25 @@ def test_the_heldout_table_scores_report_and_select_and_times_each_row_in_one_ru
         assert (tmp_path / "out" / png).stat().st_size > 1000
 
 
+def test_timing_runs_every_schedule_once_per_round_in_turn_and_keeps_each_ones_fastest():
+    from skipdecode.bench.quality import best_of_interleaved
+
+    calls: list[str] = []
+    # a slow spell during round 1 (calls 3-4) must not decide either run's figure
+    spell = {3: 9.0, 4: 9.0}
+    base = {"2x": 2.0, "3x": 1.5}
+
+    def run(name: str):
+        def once() -> float:
+            calls.append(name)
+            return base[name] + spell.get(len(calls), 0.0) + 0.1 * len(calls)
+        return once
+
+    best = best_of_interleaved({"2x": run("2x"), "3x": run("3x")}, rounds=3)
+    assert calls == ["2x", "3x"] + ["2x", "3x"] * 3  # one warm-up each, then interleaved rounds
+    assert best == {"2x": pytest.approx(2.0 + 0.1 * 5), "3x": pytest.approx(1.5 + 0.1 * 6)}
+
+
 def test_the_seed_spread_gives_each_seeds_bleu_kept_and_names_with_mean_and_range(tmp_path):
     from skipdecode.bench.heldout import SEED_REFERENCE as REF, render_markdown, seed_spread
 

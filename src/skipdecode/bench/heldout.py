@@ -8,7 +8,8 @@ column's; the select column shows how much choosing on a split flatters it.
 
 Speed is measured here, in one run: the report prompts in batches, a fixed number
 of new tokens (EOS ignored), prompt to last token, divided into the time of the
-same base model at full depth. A static schedule's speed depends on which layers
+same base model at full depth, each the best of interleaved rounds (every schedule once per
+round, so a slow spell of a shared machine cannot fall on one schedule alone). A static schedule's speed depends on which layers
 run, not on their weights, so it is timed once on the base model (static drop:
 the base with as many layers removed); an adaptive row's budgets depend on the
 model's confidence, so it is timed on its own model with its threshold.
@@ -28,7 +29,7 @@ from .. import atomic
 from ..llm import LLM
 from ..schedule import SkipSchedule
 from .decode import machine_info
-from .quality import _kept, _percent, _result, paired_interval, time_generation, timing_model
+from .quality import _kept, _percent, _result, best_of_interleaved, generation_timer, paired_interval, timing_model
 
 RESULTS = Path("benchmarks/results")
 SPLITS = ("select", "report")
@@ -167,48 +168,60 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
     timed_prompts = prompts[:batch] if quick else prompts
     repeats = 1 if quick else repeats
 
-    bases: dict[str, LLM] = {}
+    # every distinct timing, gathered first and then measured in interleaved rounds, one base model
+    # (and the copies it is timed as) in memory at a time: speedups are ratios within one base
+    jobs: dict[tuple, tuple[str, HeldoutRow, dict, float | None]] = {}  # key -> base, row, schedule, threshold
+
+    def job_key(row: HeldoutRow, sched: dict, threshold: float | None) -> tuple:
+        if row.adaptive:  # its budgets follow its own model's confidence
+            return row.base, row.model, json.dumps(sched, sort_keys=True), threshold
+        return row.base, "", json.dumps(sched, sort_keys=True), None
+
+    for row, target in have:
+        rep = loaded[row.name][target]["report"]
+        jobs.setdefault(job_key(row, rep["schedule"], rep.get("adaptive_threshold")),
+                        (row.base, row, rep["schedule"], rep.get("adaptive_threshold")))
     timed: dict[tuple, float] = {}
+    full_key: dict[str, tuple] = {}  # base -> the key of its full-depth timing
+    num_layers: dict[str, int] = {}
+    for base in dict.fromkeys(b for b, *_ in jobs.values()):
+        base_llm = LLM.load(base)
+        num_layers[base] = L = base_llm.num_layers
+        full = HeldoutRow("full", "", base, base=base)
+        sched = SkipSchedule.full_depth(L).to_dict()
+        full_key[base] = job_key(full, sched, None)
+        jobs.setdefault(full_key[base], (base, full, sched, None))
+        models: dict[Any, LLM] = {}
 
-    def base_llm(name: str) -> LLM:
-        if name not in bases:
-            bases.clear()  # one base in memory at a time
-            bases[name] = LLM.load(name)
-        return bases[name]
+        def model_for(row: HeldoutRow, n: int) -> LLM:
+            key = row.model if row.adaptive else n
+            if key not in models:
+                models[key] = (LLM.load(row.model) if row.adaptive else
+                               base_llm if n == base_llm.num_layers else timing_model(base, n))
+            return models[key]
 
-    def seconds_for(row: HeldoutRow, res: dict) -> float:
-        sched = res["schedule"]
-        if row.adaptive:
-            key = (row.model, json.dumps(sched, sort_keys=True), res.get("adaptive_threshold"))
-            if key not in timed:
-                llm = LLM.load(row.model)
-                timed[key] = time_generation(llm, timed_prompts, SkipSchedule.from_dict(sched), new_tokens,
-                                             batch, repeats, adaptive=res["adaptive_threshold"])
-            return timed[key]
-        key = (row.base, json.dumps(sched, sort_keys=True))
-        if key not in timed:
-            llm = base_llm(row.base)
+        runs = {}
+        for key, (b, row, sched, threshold) in jobs.items():
+            if b != base:
+                continue
             n = sched["num_layers"]
-            if n != llm.num_layers:
-                llm = timing_model(row.base, n)
-            timed[key] = time_generation(llm, timed_prompts, SkipSchedule.from_dict(sched, n), new_tokens, batch,
-                                         repeats)
-        return timed[key]
+            runs[key] = generation_timer(model_for(row, n), timed_prompts,
+                                         SkipSchedule.from_dict(sched, None if row.adaptive else n),
+                                         new_tokens, batch, adaptive=threshold)
+        print(f"timing {len(runs)} schedules on {base}: best of {repeats} interleaved rounds", flush=True)
+        timed.update(best_of_interleaved(runs, repeats))
+        del base_llm, models, runs
 
     own_of = {row.name: row.own for row in rows if row.own}
-    full_seconds: dict[str, float] = {}
+    full_seconds = {base: timed[k] for base, k in full_key.items()}
     table = []
     texts: dict[tuple[str, float], tuple[list[str], list[str]]] = {}
     for row, target in have:
         by_split = loaded[row.name][target]
         rep = by_split["report"]
-        if row.base not in full_seconds:
-            llm = base_llm(row.base)
-            full_seconds[row.base] = seconds_for(HeldoutRow("full", "", row.base, base=row.base),
-                                                 {"schedule": SkipSchedule.full_depth(llm.num_layers).to_dict()})
-        sec = seconds_for(row, rep)
+        sec = timed[job_key(row, rep["schedule"], rep.get("adaptive_threshold"))]
         n = rep["schedule"]["num_layers"]
-        L = base_llm(row.base).num_layers
+        L = num_layers[row.base]
         entry = {"method": row.name, "speedup_target": target, "model": row.model, "base": row.base,
                  "num_layers": n, "schedule": rep["schedule"],
                  "decode_layer_speedup": round(rep["decode_layer_speedup"] * (L / n if row.static else 1), 3),
@@ -247,7 +260,7 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
         "splits": {"select": "3 restaurant names, 73 MRs: every choice was made here",
                    "report": "5 restaurant names, 76 MRs: scored once per shipped candidate, never chosen on"},
         "settings": {"new_tokens": new_tokens, "batch": batch, "repeats": repeats, "ignore_eos": True,
-                     "threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "timing": "best_of_interleaved", "threads": torch.get_num_threads(), "torch": torch.__version__,
                      "python": platform.python_version(), "quick": quick},
         "full_depth_seconds": {k: round(v, 4) for k, v in full_seconds.items()},
         "machine": machine_info(),
@@ -264,13 +277,20 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
     return report
 
 
+def _timing(s: dict) -> str:
+    """How each time was taken (older reports took the median of sequential repeats)."""
+    if s.get("timing") == "best_of_interleaved":
+        return f"best of {s['repeats']} interleaved rounds (every schedule once per round)"
+    return f"median of {s['repeats']}"
+
+
 def render_markdown(rep: dict) -> str:
     m, s = rep["machine"], rep["settings"]
     lines = [f"# {rep['title']}", "",
              f"E2E devset split by restaurant name (`e2e-heldout`): {rep['splits']['report']} (the headline "
              f"columns); {rep['splits']['select']}. Every trained row learns from the train part only (no MR of "
              "either part). Greedy, multi-reference BLEU (sacrebleu). Speed: the report prompts in batches of "
-             f"{s['batch']}, {s['new_tokens']} new tokens each (EOS ignored), median of {s['repeats']}, prompt to "
+             f"{s['batch']}, {s['new_tokens']} new tokens each (EOS ignored), {_timing(s)}, prompt to "
              "last token, relative to the same base model at full depth. "
              f"CPU: {m.get('cpu')}, {s['threads']} threads, torch {s['torch']}.", "",
              "Kept figures carry 95% intervals from a paired bootstrap over the MRs. \"names right\" is the share "

@@ -33,7 +33,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -107,9 +107,10 @@ def _result(report: dict, target: float, static: bool) -> dict | None:
     return next((x for x in report["results"] if x["speedup_target"] == want), None)
 
 
-def time_generation(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_tokens: int, batch: int,
-                    repeats: int, adaptive: float | None = None) -> float:
-    """Median seconds to generate ``new_tokens`` for every prompt, in batches of ``batch``."""
+def generation_timer(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_tokens: int, batch: int,
+                     adaptive: float | None = None) -> Callable[[], float]:
+    """A callable that generates ``new_tokens`` for every prompt, in batches of ``batch``, and
+    returns the seconds it took."""
     def once() -> float:
         t = time.perf_counter()
         for i in range(0, len(prompts), batch):
@@ -117,8 +118,31 @@ def time_generation(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_to
                          adaptive=adaptive)
         return time.perf_counter() - t
 
+    return once
+
+
+def time_generation(llm: LLM, prompts: list[str], schedule: SkipSchedule, new_tokens: int, batch: int,
+                    repeats: int, adaptive: float | None = None) -> float:
+    """Median seconds to generate ``new_tokens`` for every prompt, in batches of ``batch``."""
+    once = generation_timer(llm, prompts, schedule, new_tokens, batch, adaptive)
     once()  # warm-up: first-call allocations and kernel packing
     return statistics.median(once() for _ in range(repeats))
+
+
+def best_of_interleaved(runs: dict[Any, Callable[[], float]], rounds: int) -> dict[Any, float]:
+    """The fewest seconds each run took over ``rounds`` rounds, every run once per round in turn.
+
+    On a shared machine a slow spell (another tenant, a throttled vCPU) lasts seconds: timed one
+    after another, every repeat of one schedule can fall into it and none of another's, and the
+    speedups cross (4x slower than 3x). Interleaved, a spell costs each run at most the rounds it
+    overlaps, and the least-disturbed round of each is kept (as ``bench --llamacpp`` does)."""
+    for once in runs.values():
+        once()  # warm-up: first-call allocations and kernel packing
+    best = {k: float("inf") for k in runs}
+    for _ in range(rounds):
+        for k, once in runs.items():
+            best[k] = min(best[k], once())
+    return best
 
 
 def timing_model(base: str, num_layers: int) -> LLM:
