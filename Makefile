@@ -109,7 +109,10 @@ $(LLAMACPP_VENV)/build-noamx/bin/llama-server: $(LLAMACPP_VENV)/.installed
 
 llamacpp-noamx: $(LLAMACPP_VENV)/build-noamx/bin/llama-server
 
-bench-llamacpp: setup llamacpp-venv  ## skipdecode against llama.cpp, every dtype, batch 1/8/32: benchmarks/results/llamacpp.{json,md}
+# a CPU that reports AMX times the build without llama.cpp's AMX path (llamacpp-noamx), as
+# `skipdecode bench --llamacpp` does by default there
+LLAMACPP_AMX := $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo yes)
+bench-llamacpp: setup llamacpp-venv $(if $(LLAMACPP_AMX),llamacpp-noamx)  ## skipdecode against llama.cpp, every dtype, batch 1/8/32: benchmarks/results/llamacpp.{json,md}
 	$(BIN)/skipdecode bench --llamacpp
 
 # What an AVX2-only CPU runs, on any x86-64 CPU: skipdecode's kernels in their AVX2 forms, oneDNN

@@ -37,6 +37,19 @@ def test_the_avx2_build_has_its_own_make_target_and_unknown_builds_are_refused(t
         llamacpp_paths(VENV, "build-avx512")
 
 
+def test_the_default_build_is_the_one_without_amx_on_a_cpu_that_reports_amx(tmp_path, monkeypatch):
+    import skipdecode.dispatch as dispatch
+    from skipdecode.bench.llamacpp import auto_build
+
+    for isa, want in ((["avx2", "fma", "avx512f", "amx_tile", "amx_int8"], "llamacpp-noamx"),
+                      (["avx2", "fma", "avx512f"], None), (["avx2", "fma"], None)):
+        monkeypatch.setattr(dispatch, "cpu_features", lambda isa=isa: {"isa": isa})
+        assert auto_build() == ("build-noamx" if want else "build")
+        with pytest.raises(LlamaCppMissing) as e:
+            llamacpp_paths(tmp_path / "nowhere", "auto")
+        assert (f"`make {want}`" in str(e.value)) == bool(want), str(e.value)
+
+
 def test_step_bytes_count_every_linear_and_the_head_in_its_stored_dtype(tiny_dirs):
     from skipdecode import LLM
 

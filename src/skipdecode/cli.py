@@ -549,8 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "int8 and int4); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
     b.add_argument("--llamacpp-venv", default=".venv-llamacpp",
                    help="the virtualenv `make llamacpp-venv` builds (--llamacpp, and a peer in --serve)")
-    b.add_argument("--llamacpp-build", default="build", choices=["build", "build-avx2", "build-noamx"],
-                   help="which llama.cpp build --llamacpp times: its native ISA (build) or AVX2/FMA only "
+    b.add_argument("--llamacpp-build", default="auto", choices=["auto", "build", "build-avx2", "build-noamx"],
+                   help="which llama.cpp build --llamacpp times: auto (default) is build-noamx on a CPU that "
+                        "reports AMX, else build; its native ISA (build) or AVX2/FMA only "
                         "(build-avx2, `make llamacpp-avx2`; with SKIPDECODE_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
                         "it times what an AVX2-only CPU runs: `make bench-llamacpp-avx2`), or AVX-512 without "
                         "llama.cpp's AMX path (build-noamx, `make llamacpp-noamx`)")

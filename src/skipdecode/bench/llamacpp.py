@@ -50,10 +50,21 @@ class LlamaCppMissing(SkipDecodeError):
 BUILDS = {"build": "llamacpp-venv", "build-avx2": "llamacpp-avx2", "build-noamx": "llamacpp-noamx"}
 
 
+def auto_build() -> str:
+    """The build ``--llamacpp`` times by default: ``build-noamx`` on a CPU that reports AMX (the
+    native build's AMX path died there), else the native ``build``."""
+    from ..dispatch import cpu_features
+
+    return "build-noamx" if "amx_tile" in cpu_features()["isa"] else "build"
+
+
 def llamacpp_paths(venv: str | os.PathLike = LLAMACPP_VENV, build: str = "build") -> dict[str, Path]:
     """The pieces ``make llamacpp-venv`` builds, or a clear error naming the make target.
-    ``build``: ``build`` (the machine's native ISA) or ``build-avx2`` (AVX2/FMA only, ``make
-    llamacpp-avx2``: what llama.cpp runs on a CPU without AVX-512)."""
+    ``build``: ``build`` (the machine's native ISA), ``build-avx2`` (AVX2/FMA only, ``make
+    llamacpp-avx2``: what llama.cpp runs on a CPU without AVX-512), ``build-noamx`` (``make
+    llamacpp-noamx``) or ``auto`` (``auto_build``)."""
+    if build == "auto":
+        build = auto_build()
     if build not in BUILDS:
         raise SkipDecodeError(f"unknown llama.cpp build {build!r}: one of {', '.join(BUILDS)}")
     v = Path(venv).resolve()
@@ -161,10 +172,11 @@ def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch
 def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
                        batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
                        new_tokens: int | None = None, repeats: int | None = None, dtypes: list[str] | None = None,
-                       venv: str | os.PathLike = LLAMACPP_VENV, build: str = "build") -> dict:
+                       venv: str | os.PathLike = LLAMACPP_VENV, build: str = "auto") -> dict:
     """Writes ``llamacpp.{json,md}``, or ``llamacpp-avx2.*`` where skipdecode's kernels run their
     AVX2 form (an AVX2-only CPU, or ``SKIPDECODE_ISA=avx2``; pair it with ``build="build-avx2"``
     to time llama.cpp's AVX2 code as well)."""
+    build = auto_build() if build == "auto" else build
     paths = llamacpp_paths(venv, build)
     batch_sizes = batch_sizes or ([1, 8] if quick else [1, 8, 32])
     speedups = speedups or [1.0, 2.0, 3.0]
