@@ -587,10 +587,11 @@ class Transformer(nn.Module):
         """
         x, rope = self.embed(tokens[:, None], positions[:, None])  # (R, 1, dim)
         runs = [l for l, lr in enumerate(layer_rows) if lr is not None]
+        layers = list(self.layers)  # one pass over the ModuleList, not an indexed lookup per layer
         for i, l in enumerate(runs):
             lr = layer_rows[l]
             nxt = pools[runs[i + 1]] if i + 1 < len(runs) else None
-            block = self.layers[l]
+            block = layers[l]
             if lr.rows is None:  # every row
                 x = block.decode(x, rope, *pools[l], lr.slots, nxt)
             elif isinstance(lr.rows, int):  # a leading block of rows (rows ordered by budget)

@@ -841,18 +841,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   return y.view(out_shape);
 }
 
-// Llama's RMSNorm in HF's order: w * (x * rsqrt(mean(x^2) + eps)).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
-  const int64_t D = x.size(-1);
-  check(weight.numel() == D, "norm weight size");
-  const auto xc = x.contiguous();
-  const auto wc = weight.contiguous();
-  auto y = torch::empty_like(xc);
-  const int64_t rows = xc.numel() / D;
-  const float* xa = xc.data_ptr<float>();
-  const float* wa = wc.data_ptr<float>();
-  float* ya = y.data_ptr<float>();
+// Llama's RMSNorm in HF's order: w * (x * rsqrt(mean(x^2) + eps)), of `rows` rows of D.
+void rms_norm_rows(const float* xa, int64_t rows, int64_t D, const float* wa, float eps, float* ya) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xa + r * D;
@@ -865,16 +855,25 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
       }
       float ss = hsum(acc);
       for (; i < D; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
+      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
       const __m256 iv = _mm256_set1_ps(inv);
       for (i = 0; i + 8 <= D; i += 8)
         _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(wa + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), iv)));
       for (; i < D; ++i) yr[i] = wa[i] * (xr[i] * inv);
     }
   });
-  return y;
 }
 
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
+  const int64_t D = x.size(-1);
+  check(weight.numel() == D, "norm weight size");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto y = torch::empty_like(xc);
+  rms_norm_rows(xc.data_ptr<float>(), xc.numel() / D, D, wc.data_ptr<float>(), float(eps), y.data_ptr<float>());
+  return y;
+}
 
 // Weighted values of one (row, KV head) task for NG query heads and NV * 8
 // dimensions: NG x NV accumulators stay in registers while every value row is
@@ -1072,14 +1071,11 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
 // HF's rotate-half RoPE, in place: x[..., :h] = x1 cos - x2 sin and
 // x[..., h:] = x2 cos + x1 sin, with cos/sin [B, T, 1, hd] (both halves equal).
 // x [B, T, heads, hd] may be a strided view (the q/k part of the fused qkv).
-void rope_(torch::Tensor x, const torch::Tensor& cos_in, const torch::Tensor& sin_in) {
-  check(x.scalar_type() == torch::kFloat && x.dim() == 4 && x.stride(3) == 1, "rope input");
-  const int64_t B = x.size(0), T = x.size(1), NH = x.size(2), hd = x.size(3), h = hd / 2;
-  const auto c = cos_in.expand({B, T, 1, hd}).contiguous(), s = sin_in.expand({B, T, 1, hd}).contiguous();
-  const float* ca = c.data_ptr<float>();
-  const float* sa = s.data_ptr<float>();
-  float* xa = x.data_ptr<float>();
-  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+// The same on raw pointers: x rows r = b * T + t at strides sb, st (elements), NH heads at stride sh;
+// cos/sin [B * T, hd] contiguous.
+void rope_rows(float* xa, int64_t B, int64_t T, int64_t NH, int64_t hd, int64_t sb, int64_t st, int64_t sh,
+               const float* ca, const float* sa) {
+  const int64_t h = hd / 2;
   at::parallel_for(0, B * T, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T, t = r % T;
@@ -1097,16 +1093,16 @@ void rope_(torch::Tensor x, const torch::Tensor& cos_in, const torch::Tensor& si
   });
 }
 
+void rope_(torch::Tensor x, const torch::Tensor& cos_in, const torch::Tensor& sin_in) {
+  check(x.scalar_type() == torch::kFloat && x.dim() == 4 && x.stride(3) == 1, "rope input");
+  const int64_t B = x.size(0), T = x.size(1), NH = x.size(2), hd = x.size(3);
+  const auto c = cos_in.expand({B, T, 1, hd}).contiguous(), s = sin_in.expand({B, T, 1, hd}).contiguous();
+  rope_rows(x.data_ptr<float>(), B, T, NH, hd, x.stride(0), x.stride(1), x.stride(2), c.data_ptr<float>(),
+            s.data_ptr<float>());
+}
+
 // SwiGLU's activation: silu(gate) * up, with [gate | up] the fused w13 output.
-torch::Tensor silu_mul(const torch::Tensor& gu_in) {
-  check(gu_in.scalar_type() == torch::kFloat, "float32 only");
-  const auto gu = gu_in.contiguous();
-  const int64_t I = gu.size(-1) / 2, rows = gu.numel() / (2 * I);
-  auto shape = gu.sizes().vec();
-  shape.back() = I;
-  auto y = torch::empty(shape, gu.options());
-  const float* ga = gu.data_ptr<float>();
-  float* ya = y.data_ptr<float>();
+void silu_mul_rows(const float* ga, int64_t rows, int64_t I, float* ya) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* g = ga + r * 2 * I;
@@ -1122,6 +1118,16 @@ torch::Tensor silu_mul(const torch::Tensor& gu_in) {
       for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gu_in) {
+  check(gu_in.scalar_type() == torch::kFloat, "float32 only");
+  const auto gu = gu_in.contiguous();
+  const int64_t I = gu.size(-1) / 2, rows = gu.numel() / (2 * I);
+  auto shape = gu.sizes().vec();
+  shape.back() = I;
+  auto y = torch::empty(shape, gu.options());
+  silu_mul_rows(gu.data_ptr<float>(), rows, I, y.data_ptr<float>());
   return y;
 }
 
@@ -1209,30 +1215,45 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   auto bp = [&](const c10::optional<torch::Tensor>& b) { return b.has_value() ? b->data_ptr<float>() : nul; };
   const int64_t* ra = rows.data_ptr<int64_t>();
 
-  auto h = x.contiguous().clone();  // the residual stream, updated in place below
-  auto n1 = rms_norm(h, attn_norm, eps);
-  auto qkv = torch::empty({B, 1, H + 2 * KVH, hd}, x.options());
-  linear_into(n1.data_ptr<float>(), B, wqkv, sqkv, bp(bqkv), nqkv, qkv.data_ptr<float>(), nullptr, a8);
-  rope_(qkv.narrow(2, 0, H + KVH), cos, sin);
-  const float* qa = qkv.data_ptr<float>();
+  auto h = x.contiguous().clone();  // the residual stream, updated in place below, and the result
+  // Every intermediate lives in one scratch buffer kept between calls: a tensor per intermediate
+  // cost about a microsecond each to make, a dozen times per layer and step.
+  const int64_t NQ = H + 2 * KVH;
+  thread_local std::vector<float> scratch;
+  const int64_t n_norm = B * D, n_qkv = B * NQ * hd, n_att = B * H * hd, n_gu = B * 2 * I, n_a = B * I;
+  scratch.resize(n_norm + n_qkv + 2 * n_att + n_gu + n_a);
+  float* nrm = scratch.data();  // n1, then n2
+  float* qkv = nrm + n_norm;    // [B, H + 2 KVH, hd]
+  float* qs = qkv + n_qkv;      // [B, H, hd], the queries contiguous for attend
+  float* att = qs + n_att;      // [B, H * hd]
+  float* gu = att + n_att;      // [B, 2 I]
+  float* act = gu + n_gu;       // [B, I]
+  float* ha = h.data_ptr<float>();
+  check(attn_norm.numel() == D && mlp_norm.numel() == D && attn_norm.scalar_type() == torch::kFloat &&
+        mlp_norm.scalar_type() == torch::kFloat, "norm weights must be float32 of the hidden size");
+  const auto anw_t = attn_norm.contiguous(), mnw_t = mlp_norm.contiguous();
+  const float* anw = anw_t.data_ptr<float>();
+  const float* mnw = mnw_t.data_ptr<float>();
+  const auto cc = cos.expand({B, 1, 1, hd}).contiguous(), sc = sin.expand({B, 1, 1, hd}).contiguous();
+  rms_norm_rows(ha, B, D, anw, float(eps), nrm);
+  linear_into(nrm, B, wqkv, sqkv, bp(bqkv), nqkv, qkv, nullptr, a8);
+  rope_rows(qkv, B, 1, H + KVH, hd, NQ * hd, NQ * hd, hd, cc.data_ptr<float>(), sc.data_ptr<float>());
   float* ka = kpool.data_ptr<float>();
   float* va = vpool.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {  // this position's keys and values into each row's last slot
     const int64_t slot = ra[2 * b] + ra[2 * b + 1] - 1;
+    const float* qrow = qkv + b * NQ * hd;
+    std::copy(qrow, qrow + H * hd, qs + b * H * hd);
     for (int64_t g = 0; g < KVH; ++g) {
-      const float* src = qa + (b * (H + 2 * KVH) + H + g) * hd;
+      const float* src = qrow + (H + g) * hd;
       std::copy(src, src + hd, ka + (g * slots + slot) * hd);
       std::copy(src + KVH * hd, src + (KVH + 1) * hd, va + (g * slots + slot) * hd);
     }
   }
   KVView kv{ka, va, 0, slots * hd, hd, 0, slots * hd, hd, ra};
-  auto q = qkv.narrow(2, 0, H).reshape({B, H, hd}).contiguous();
-  auto att = torch::empty({B, 1, H * hd}, x.options());
-  attend(q.data_ptr<float>(), B, H, hd, KVH, kv, nullptr, float(scale), att.data_ptr<float>());
-  float* ha = h.data_ptr<float>();
-  linear_into(att.data_ptr<float>(), B, wo, so, bp(bo), D, ha, ha, a8);
-  auto n2 = rms_norm(h, mlp_norm, eps);
-  auto gu = torch::empty({B, 1, 2 * I}, x.options());
+  attend(qs, B, H, hd, KVH, kv, nullptr, float(scale), att);
+  linear_into(att, B, wo, so, bp(bo), D, ha, ha, a8);
+  rms_norm_rows(ha, B, D, mnw, float(eps), nrm);
   Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
   if (next_k.has_value() && next_v.has_value()) {
     const auto& nk = *next_k;
@@ -1250,9 +1271,9 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
       }
     }
   }
-  linear_into(n2.data_ptr<float>(), B, w13, s13, bp(b13), 2 * I, gu.data_ptr<float>(), nullptr, a8, pf);
-  auto a = silu_mul(gu);
-  linear_into(a.data_ptr<float>(), B, w2, s2, bp(b2), D, ha, ha, a8);
+  linear_into(nrm, B, w13, s13, bp(b13), 2 * I, gu, nullptr, a8, pf);
+  silu_mul_rows(gu, B, I, act);
+  linear_into(act, B, w2, s2, bp(b2), D, ha, ha, a8);
   return h;
 }
 

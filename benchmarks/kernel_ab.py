@@ -1,0 +1,81 @@
+"""Decode steps with this checkout's kernels against another version of them, in one run.
+
+Machines like these move by more between runs than a kernel change does, so a change to
+``csrc/decode_kernels.cpp`` is timed here against the source it replaces, in the same process
+and on the same model: the other source is built under its own name, the model's layers run on
+each in turn (interleaved rounds, best of each), and both must give the same tokens.
+
+Run from the repository root, e.g. against the previous commit's kernels:
+    git show HEAD~1:src/skipdecode/csrc/decode_kernels.cpp > /tmp/before.cpp
+    .venv/bin/python benchmarks/kernel_ab.py /tmp/before.cpp benchmarks/results/kernel-ab.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from skipdecode import LLM, kernels
+from skipdecode.bench.decode import PROMPTS, machine_info
+from skipdecode.generate import generate_tokens
+
+CASES = [("int8", 1, 1.0), ("int4", 1, 1.0), ("w8a8", 1, 1.0), ("w4a8", 1, 1.0), ("float32", 1, 1.0),
+         ("int8", 1, 3.0), ("int4", 1, 3.0), ("int8", 8, 1.0), ("w8a8", 8, 3.0)]
+NEW_TOKENS, ROUNDS = 64, 8
+
+
+def build_other(source: Path):
+    from torch.utils.cpp_extension import load as build
+
+    kernels._put_ninja_on_path()
+    tag = hashlib.sha1(source.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    mod = build(name=f"skipdecode_kernels_ab_{tag}", sources=[str(source)],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    mod.set_isa(kernels.isa() == "avx512")
+    mod.set_a8(kernels.a8_form())
+    return mod
+
+
+def main() -> None:
+    other_src, out = Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    this, other = kernels.load(), build_other(other_src)
+    results = []
+    for dtype, batch, speedup in CASES:
+        llm = LLM.load("default-e2e", dtype=dtype)
+        net = llm.model
+        enc = [llm.encode(p) for p in PROMPTS]
+        ids = [enc[i % len(enc)] for i in range(batch)]
+        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+        ms: dict[str, list[float]] = {"this": [], "other": []}
+        tokens = {}
+        for rnd in range(ROUNDS + 1):  # the first round warms up; the order alternates between rounds
+            for name, mod in (("other", other), ("this", this))[::1 if rnd % 2 else -1]:
+                for block in net.layers:
+                    block.kernels = mod
+                rows, st = generate_tokens(net, ids, sched, NEW_TOKENS, eos_token_ids=())
+                ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
+                tokens[name] = [r.token_ids for r in rows]
+        if tokens["this"] != tokens["other"]:
+            raise SystemExit(f"{dtype} batch {batch} {speedup:g}x: the two kernel versions decode different tokens")
+        best = {k: min(v[1:]) for k, v in ms.items()}
+        r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
+             "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
+             round(best["other"] / best["this"], 3)}
+        results.append(r)
+        print(f"{dtype:8s} B={batch:<2} {speedup:g}x  other {best['other']:6.2f}  this {best['this']:6.2f} ms/step  "
+              f"{r['this_over_other_tokens_per_s']:.3f}x", flush=True)
+    report = {"machine": machine_info(), "other_source": str(other_src), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
+              "timing": "decode steps after the first token, best of the rounds, the two versions interleaved (order alternating)",
+              "results": results}
+    if out:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
