@@ -8,11 +8,12 @@ column's; the select column shows how much choosing on a split flatters it.
 
 Speed is measured here, in one run: the report prompts in batches, a fixed number
 of new tokens (EOS ignored), prompt to last token, divided into the time of the
-same base model at full depth, each the best of interleaved rounds (every schedule once per
-round, so a slow spell of a shared machine cannot fall on one schedule alone). A static schedule's speed depends on which layers
-run, not on their weights, so it is timed once on the base model (static drop:
-the base with as many layers removed); an adaptive row's budgets depend on the
-model's confidence, so it is timed on its own model with its threshold.
+same base model at full depth, each the best of interleaved rounds (every
+schedule once per round, so a slow spell of a shared machine cannot fall on one
+schedule alone). A static schedule's speed depends on which layers run, not on
+their weights, so it is timed once on the base model (static drop: the base with
+as many layers removed); an adaptive row's budgets depend on the model's
+confidence, so it is timed on its own model with its threshold.
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""Where a batch-1 decode step's time goes, per weight dtype (benchmarks/results/step-breakdown.json).
+
+A 64-token greedy decode of one E2E prompt on ``default-e2e`` at full depth, timed from Python
+with wrappers around the model's decode call, its LM head and each fused layer call. Best of
+6 runs by step time. Parts of a step:
+  engine       -- the engine's step around the model (scheduling, sampling, bookkeeping)
+  python       -- the model's decode minus its layer calls and head (embedding, RoPE tables, the layer loop)
+  layer calls  -- the 30 fused layer calls (GEMMs, norms, RoPE, attention, SwiGLU, argument passing)
+  head         -- the final norm and LM head
+Run from the repository root: .venv/bin/python benchmarks/step_breakdown.py [OUT.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from skipdecode import LLM
+from skipdecode.bench.decode import PROMPTS, machine_info
+from skipdecode.generate import generate_tokens
+
+DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8")
+N, RUNS = 64, 6
+
+
+def breakdown(dtype: str) -> dict:
+    llm = LLM.load("default-e2e", dtype=dtype)
+    net = llm.model
+    ids = [llm.encode(PROMPTS[0])]
+    sched = llm.make_schedule(speedup=1.0, expected_new_tokens=N)
+    spent = {"decode": 0.0, "head": 0.0, "layers": 0.0}
+    calls = {"decode": 0, "head": 0, "layers": 0}
+    real_decode, real_head = net.decode, net.head
+    kernels = net.layers[0].kernels
+    if kernels is None or not all(b.fused_decode for b in net.layers):
+        raise SystemExit(f"{dtype}: the fused layer kernels are not in use here")
+
+    def timed(name, f):
+        def run(*a, **k):
+            t = time.perf_counter()
+            out = f(*a, **k)
+            spent[name] += time.perf_counter() - t
+            calls[name] += 1
+            return out
+        return run
+
+    class Timed:  # the kernels with the fused layer call timed
+        decode_block = staticmethod(timed("layers", kernels.decode_block))
+
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+    net.decode, net.head = timed("decode", real_decode), timed("head", real_head)
+    for b in net.layers:
+        b.kernels = Timed()
+    try:
+        generate_tokens(net, ids, sched, 8, eos_token_ids=())
+        best = None
+        for _ in range(RUNS):
+            for k in spent:
+                spent[k], calls[k] = 0.0, 0
+            stats = generate_tokens(net, ids, sched, N, eos_token_ids=())[1]
+            steps = calls["decode"]  # one model decode call per decode step (prefill gives the first token)
+            # the prefill step also runs the head once: each part per call, times its calls per decode step
+            per = {"step": stats["decode_seconds"] / (N - 1), "decode": spent["decode"] / steps,
+                   "head": spent["head"] / calls["head"], "layers": spent["layers"] / steps}
+            if best is None or per["step"] < best["step"]:
+                best = per
+    finally:
+        del net.decode, net.head
+        for b in net.layers:
+            b.kernels = kernels
+    ms = lambda s: round(s * 1000, 3)  # noqa: E731
+    return {"dtype": dtype, "step_ms": ms(best["step"]), "engine_ms": ms(best["step"] - best["decode"]),
+            "python_ms": ms(best["decode"] - best["layers"] - best["head"]), "layer_calls_ms": ms(best["layers"]),
+            "head_ms": ms(best["head"])}
+
+
+def main() -> None:
+    rows = []
+    for dt in DTYPES:
+        r = breakdown(dt)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    out = {"model": "default-e2e", "rows": 1, "new_tokens": N, "runs": RUNS, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "machine": machine_info(), "results": rows,
+           "command": "python benchmarks/step_breakdown.py " + " ".join(sys.argv[1:])}
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/step-breakdown.json")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
