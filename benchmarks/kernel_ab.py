@@ -33,11 +33,7 @@ def build_other(source: Path):
 
     kernels._put_ninja_on_path()
     tag = hashlib.sha1(source.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
-    mod = build(name=f"skipdecode_kernels_ab_{tag}", sources=[str(source)],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    mod.set_isa(kernels.isa() == "avx512")
-    mod.set_a8(kernels.a8_form())
-    return mod
+    return kernels.configure(build(name=f"skipdecode_kernels_ab_{tag}", sources=[str(source)], **kernels.BUILD_FLAGS))
 
 
 def main() -> None:

@@ -45,6 +45,17 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+# how the kernel source is compiled (AVX2 + FMA baseline; the AVX-512 and VNNI forms carry their own targets)
+BUILD_FLAGS = {"extra_cflags": ["-O3", "-mavx2", "-mfma", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
+
+
+def configure(module):
+    """Point a freshly built kernel module at this CPU's forms (``isa``, ``a8_form``); returns it."""
+    module.set_isa(isa() == "avx512")
+    module.set_a8(a8_form())
+    return module
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled kernel module, or None (with one warning saying why)."""
@@ -74,12 +85,8 @@ def load():
         # hold an OS lock too, released when its process dies: a ``lock`` found under it is stale.
         with atomic.locked(build_dir):
             (build_dir / "lock").unlink(missing_ok=True)
-            module = build(name=name, sources=[str(_SRC)],
-                           extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           verbose=False)
-        module.set_isa(isa() == "avx512")
-        module.set_a8(a8_form())
-        return module
+            module = build(name=name, sources=[str(_SRC)], verbose=False, **BUILD_FLAGS)
+        return configure(module)
     except Exception as e:  # no compiler, no headers: the oneDNN path still works
         warnings.warn(f"skipdecode: could not build the CPU decode kernels ({type(e).__name__}: "
                       f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); using oneDNN. "
