@@ -296,6 +296,46 @@ def test_int4_panels_give_bitwise_identical_outputs_in_the_avx2_and_avx512_forms
     assert out[False][0].abs().sum() > 0 and out[False][2][2].abs().sum() == 0
 
 
+def _panels(dtype: str, n: int, kdim: int, g: torch.Generator):
+    """A random weight packed as ``linear`` takes it in each panel dtype: (packed, scales)."""
+    w = torch.randn(n, kdim, generator=g) * 0.05
+    if dtype == "int8":
+        q = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
+        return kernels.pack_weight(q), kernels.pack_scales(torch.rand(n, generator=g) * 0.01)
+    if dtype == "int4":
+        q = torch.randint(0, 16, (n, kdim), generator=g, dtype=torch.uint8)
+        return kernels.pack_int4(q, (torch.rand(n, kdim // 32, generator=g) * 0.01).bfloat16())
+    return kernels.pack_weight(w.bfloat16() if dtype == "bfloat16" else w), None
+
+
+@needs_kernels
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512 F/BW/VL/DQ")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_batched_panels_give_each_row_the_same_bits_whatever_its_batch_mates_and_the_isa(k, dtype):
+    """From 13 rows on every panel dtype runs the wide form (one FMA chain per output over k in
+    order): a row's outputs are bitwise the same in a call of 13, 32 or 70 rows, with residual and
+    bias, and the same on AVX2 as on AVX-512, so a batch does not change what a request decodes."""
+    g = _gen(31)
+    n, kdim = 72, 600 if dtype != "int4" else 576  # 5 panels (a ragged group of 4), K over 2 blocks
+    packed, sc = _panels(dtype, n, kdim, g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(70, kdim, generator=g)
+    x[:, 5] *= 40
+    prev = k.set_isa(True)
+    try:
+        out = {}
+        for form in (True, False):
+            k.set_isa(form)
+            out[form] = [k.linear(x[:m], packed, b, n, sc) for m in (13, 32, 70)]
+    finally:
+        k.set_isa(prev)
+    for form in (True, False):
+        for y in out[form]:
+            assert torch.equal(y, out[form][-1][: len(y)])
+        assert torch.equal(out[form][-1], out[True][-1])
+    assert out[True][-1].abs().sum() > 0
+
+
 def test_int4_quantization_is_llamacpp_q4_0s_rule():
     """Per output and 32 inputs: the largest-magnitude weight maps to code 0 (-8 steps), codes span
     0..15, every weight is within half a step of its code but those at the top code, which +8 steps

@@ -62,6 +62,17 @@ static inline void load_w(const int8_t* w, __m256& w0, __m256& w1) {
 // Every micro-kernel ends with this on its last K block.
 static inline void store_rows(int64_t R, const float* acc, float* y, int64_t ldy, int64_t ncols, const float* scale,
                               const float* bias, const float* res) {
+  if (ncols == NR) {  // a whole panel: the same operations, 8 columns at a time
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < NR; c += 8) {
+        __m256 v = _mm256_loadu_ps(acc + r * NR + c);
+        if (scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(scale + c));
+        v = _mm256_add_ps(v, bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps());
+        v = _mm256_add_ps(v, res ? _mm256_loadu_ps(res + r * ldy + c) : _mm256_setzero_ps());
+        _mm256_storeu_ps(y + r * ldy + c, v);
+      }
+    return;
+  }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < ncols; ++c)
       y[r * ldy + c] = (scale ? acc[r * NR + c] * scale[c] : acc[r * NR + c]) + (bias ? bias[c] : 0.f) +
@@ -328,6 +339,168 @@ SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const floa
   }
 }
 
+// ---- Several rows (batched decode, a lossless verification): compute-bound panels.
+// At one row a step streams every weight once and the narrow micro-kernels above keep up with
+// memory. With more rows the multiply-adds dominate, and widening int8/int4/bf16 weights
+// inside each row block repeats that work for every block of rows. Here each K block of a group of
+// panels is widened once into an fp32 buffer that stays in L1 (fp32 panels are read in place), and
+// every row block runs on it: up to 6 rows x 4 panels = 24 accumulators, 10 loads per 24 FMAs.
+// Each output is one FMA chain over k in order, whatever the rows around it, the row blocking or
+// the ISA: the AVX2 and AVX-512 forms give bitwise identical outputs, and a row's outputs do not
+// depend on how many rows share the call (from WIDE_MIN rows on).
+// From how many rows the wide form runs, per panel dtype (tests/test_kernels.py covers both sides):
+// fp32 panels are read in place; int4 panels cost the most to widen in every row block, int8 and
+// bf16 the least (at 8 rows the narrow form was as fast on an AVX-512 Xeon, at 32 slower).
+constexpr int64_t WIDE_MIN_F32 = 2, WIDE_MIN_INT4 = 7, WIDE_MIN_INT8 = 13;
+constexpr int64_t WP = 4;    // panels per group
+constexpr int64_t KW = 128;  // K block of widened panels: WP x KW x 16 floats (32 KB) stay in L1
+
+// One K block of one panel widened to fp32 ([kc, 16], row k at out + k * NR): exact for bf16
+// (a shift), int8 (a conversion; the column scale multiplies the finished sum) and int4 ((v) x its
+// group's bf16 scale: a 4-bit integer times an 8-bit mantissa fits fp32's 24). w and s point at the
+// block's first weight and (int4) first group's scales, as in the narrow kernels.
+static inline void widen_block(const uint16_t* w, const uint16_t*, int64_t kc, float* out) {
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 w0, w1;
+    load_w(w + k * NR, w0, w1);
+    _mm256_storeu_ps(out + k * NR, w0);
+    _mm256_storeu_ps(out + k * NR + 8, w1);
+  }
+}
+static inline void widen_block(const int8_t* w, const uint16_t*, int64_t kc, float* out) {
+  for (int64_t k = 0; k < kc; ++k) {
+    if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_BYTES, _MM_HINT_T0);
+    __m256 w0, w1;
+    load_w(w + k * NR, w0, w1);
+    _mm256_storeu_ps(out + k * NR, w0);
+    _mm256_storeu_ps(out + k * NR + 8, w1);
+  }
+}
+static inline void widen_block(const uint8_t* w, const uint16_t* s, int64_t kc, float* out) {
+  const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+  for (int64_t k = 0; k < kc; k += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
+    __m256 s0, s1;
+    load_w(s + (k / G4) * NR, s0, s1);
+    const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8));
+    const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8 + 32));
+    for (int j = 0; j < 8; ++j) {  // nibbles 0-6 hold v + 8, nibble 7 holds v in two's complement
+      const __m256i v0 = j < 7 ? _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d0, 4 * j), low), eight)
+                               : _mm256_srai_epi32(d0, 28);
+      const __m256i v1 = j < 7 ? _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d1, 4 * j), low), eight)
+                               : _mm256_srai_epi32(d1, 28);
+      _mm256_storeu_ps(out + (k + j) * NR, _mm256_mul_ps(_mm256_cvtepi32_ps(v0), s0));
+      _mm256_storeu_ps(out + (k + j) * NR + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(v1), s1));
+    }
+  }
+}
+
+// The same with AVX-512 (one register per panel row): identical values.
+SD_AVX512 static inline void widen_block512(const uint16_t* w, const uint16_t*, int64_t kc, float* out) {
+  for (int64_t k = 0; k < kc; ++k) _mm512_storeu_ps(out + k * NR, load_w16(w + k * NR));
+}
+SD_AVX512 static inline void widen_block512(const int8_t* w, const uint16_t*, int64_t kc, float* out) {
+  int64_t k = 0;
+  for (; k + 4 <= kc; k += 4) {  // one 64-byte line per 4 k
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_BYTES, _MM_HINT_T0);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + (k + i) * NR, load_w16(w + (k + i) * NR));
+  }
+  for (; k < kc; ++k) _mm512_storeu_ps(out + k * NR, load_w16(w + k * NR));
+}
+SD_AVX512 static inline void widen_block512(const uint8_t* w, const uint16_t* s, int64_t kc, float* out) {
+  const __m512i low = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+  for (int64_t k = 0; k < kc; k += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
+    const __m512 sc = load_w16(s + (k / G4) * NR);
+    const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * 8));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = j < 7 ? _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(d, 4 * j), low), eight)
+                              : _mm512_srai_epi32(d, 28);
+      _mm512_storeu_ps(out + (k + j) * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(v), sc));
+    }
+  }
+}
+
+// R rows x one panel of fp32 weights (AVX2): acc [R, NR] running sums, one chain per output.
+template <int R>
+static inline void wide_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* acc, bool first) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) {
+    a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
+    a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR + 8);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * NR, a0[r]);
+    _mm256_storeu_ps(acc + r * NR + 8, a1[r]);
+  }
+}
+
+// R rows x P panels (AVX-512): w panel j at w + j * ldw, acc panel j at acc + j * lda.
+template <int R, int P>
+SD_AVX512 static inline void wide_kernel512(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc,
+                                            float* acc, int64_t lda, bool first) {
+  __m512 a[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) a[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + j * lda + r * NR);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 wv[P];
+    for (int j = 0; j < P; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + k * NR);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      for (int j = 0; j < P; ++j) a[r][j] = _mm512_fmadd_ps(xb, wv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) _mm512_storeu_ps(acc + j * lda + r * NR, a[r][j]);
+}
+
+template <int P>
+SD_AVX512 void wide_rows512(int64_t r, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc,
+                            float* acc, int64_t lda, bool first) {
+  switch (r) {
+    case 6: return wide_kernel512<6, P>(x, ldx, w, ldw, kc, acc, lda, first);
+    case 5: return wide_kernel512<5, P>(x, ldx, w, ldw, kc, acc, lda, first);
+    case 4: return wide_kernel512<4, P>(x, ldx, w, ldw, kc, acc, lda, first);
+    case 3: return wide_kernel512<3, P>(x, ldx, w, ldw, kc, acc, lda, first);
+    case 2: return wide_kernel512<2, P>(x, ldx, w, ldw, kc, acc, lda, first);
+    default: return wide_kernel512<1, P>(x, ldx, w, ldw, kc, acc, lda, first);
+  }
+}
+
+// r rows (1-6) x np panels (1-WP) of one K block, in whichever form set_isa chose.
+void wide_block(int64_t r, int64_t np, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc,
+                float* acc, int64_t lda, bool first) {
+  if (g_avx512) {
+    switch (np) {
+      case 4: return wide_rows512<4>(r, x, ldx, w, ldw, kc, acc, lda, first);
+      case 3: return wide_rows512<3>(r, x, ldx, w, ldw, kc, acc, lda, first);
+      case 2: return wide_rows512<2>(r, x, ldx, w, ldw, kc, acc, lda, first);
+      default: return wide_rows512<1>(r, x, ldx, w, ldw, kc, acc, lda, first);
+    }
+  }
+  for (int64_t j = 0; j < np; ++j) {
+    const float* wj = w + j * ldw;
+    float* aj = acc + j * lda;
+    switch (r) {
+      case 6: wide_kernel<6>(x, ldx, wj, kc, aj, first); break;
+      case 5: wide_kernel<5>(x, ldx, wj, kc, aj, first); break;
+      case 4: wide_kernel<4>(x, ldx, wj, kc, aj, first); break;
+      case 3: wide_kernel<3>(x, ldx, wj, kc, aj, first); break;
+      case 2: wide_kernel<2>(x, ldx, wj, kc, aj, first); break;
+      default: wide_kernel<1>(x, ldx, wj, kc, aj, first); break;
+    }
+  }
+}
+
 // exp for 8 floats (Cephes' expf: x = n ln2 + r, degree-5 polynomial in r;
 // relative error ~1e-7). Inputs below ln(2^-126) (and -inf) give exactly 0.
 inline __m256 exp8(__m256 x) {
@@ -458,6 +631,57 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
     else
       row_block_q4(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
                    res ? res + m * n + p * NR : nullptr);
+  });
+}
+
+// y[M, N] = x @ W^T (+ bias) (+ res) for M >= WIDE_MIN_* rows, any panel dtype (wide_block above):
+// panels split across threads in groups of WP, each K block of a group widened once (fp32 read in
+// place), rows in blocks of at most 6 split evenly. sa: int8 column scales; gs: int4 group scales.
+template <typename W>
+void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
+                 const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  constexpr bool Q4 = std::is_same<W, uint8_t>::value, F32 = std::is_same<W, float>::value;
+  const int64_t NG = (NP + WP - 1) / WP, nrb = (M + 5) / 6;
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<float> acc, buf;
+    acc.resize(WP * M * NR);
+    const int64_t kb = F32 ? KC : KW;
+    if (!F32) buf.resize(WP * KW * NR);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * WP, np = std::min(WP, NP - p0);
+      pf.part(g, NG);
+      for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t kc = std::min(kb, K - k0);
+        const float* w;
+        int64_t ldw;
+        if constexpr (F32) {
+          w = wa + (p0 * K + k0) * NR;
+          ldw = K * NR;
+        } else {
+          for (int64_t j = 0; j < np; ++j) {
+            const int64_t p = p0 + j;
+            const W* wp = Q4 ? wa + (p * K + k0) * (NR / 2) : wa + (p * K + k0) * NR;
+            const uint16_t* sp = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
+            if (g_avx512)
+              widen_block512(wp, sp, kc, buf.data() + j * KW * NR);
+            else
+              widen_block(wp, sp, kc, buf.data() + j * KW * NR);
+          }
+          w = buf.data();
+          ldw = KW * NR;
+        }
+        for (int64_t b = 0, m = 0; b < nrb; ++b) {
+          const int64_t r = (M - m) / (nrb - b);
+          wide_block(r, np, xa + m * K + k0, K, w, ldw, kc, acc.data() + m * NR, M * NR, k0 == 0);
+          m += r;
+        }
+      }
+      for (int64_t j = 0; j < np; ++j) {
+        const int64_t p = p0 + j;
+        store_rows(M, acc.data() + j * M * NR, ya + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
+                   ba ? ba + p * NR : nullptr, res ? res + p * NR : nullptr);
+      }
+    }
   });
 }
 
@@ -787,6 +1011,22 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
   if (a8 && packed.scalar_type() == torch::kChar)
     return linear_panels_a8<false>(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), nullptr, ba, n,
                                    ya, res, pf);
+  const auto dt = packed.scalar_type();
+  if (M >= (dt == torch::kFloat ? WIDE_MIN_F32 : dt == torch::kByte ? WIDE_MIN_INT4 : WIDE_MIN_INT8)) {
+    const float* sa = packed.scalar_type() == torch::kChar ? scale->data_ptr<float>() : nullptr;
+    switch (packed.scalar_type()) {
+      case torch::kByte:
+        return linear_wide(xa, M, packed.data_ptr<uint8_t>(), K, NP, sa,
+                           reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
+      case torch::kBFloat16:
+        return linear_wide(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, sa,
+                           nullptr, ba, n, ya, res, pf);
+      case torch::kChar:
+        return linear_wide(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+      default:
+        return linear_wide(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+    }
+  }
   if (packed.scalar_type() == torch::kByte)
     linear_panels_q4(xa, M, packed.data_ptr<uint8_t>(), K, NP,
                      reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
