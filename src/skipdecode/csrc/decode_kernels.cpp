@@ -347,7 +347,7 @@ SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const floa
 // every row block runs on it: up to 6 rows x 4 panels = 24 accumulators, 10 loads per 24 FMAs.
 // Each output is one FMA chain over k in order, whatever the rows around it, the row blocking or
 // the ISA: the AVX2 and AVX-512 forms give bitwise identical outputs, and a row's outputs do not
-// depend on how many rows share the call (from WIDE_MIN rows on).
+// depend on how many rows share the call (from WIDE_MIN_* rows on).
 // From how many rows the wide form runs, per panel dtype (tests/test_kernels.py covers both sides):
 // fp32 panels are read in place, so from 2; the narrow form widens int4 at the highest cost per
 // row block, so from two row blocks; int8 and bf16 cost it least, so from three.
@@ -356,7 +356,7 @@ constexpr int64_t WP = 4;    // panels per group
 constexpr int64_t KW = 128;  // K block of widened panels: WP x KW x 16 floats (32 KB) stay in L1
 
 // One K block of one panel widened to fp32 ([kc, 16], row k at out + k * NR): exact for bf16
-// (a shift), int8 (a conversion; the column scale multiplies the finished sum) and int4 ((v) x its
+// (a shift), int8 (a conversion; the column scale multiplies the finished sum) and int4 (v times its
 // group's bf16 scale: a 4-bit integer times an 8-bit mantissa fits fp32's 24). w and s point at the
 // block's first weight and (int4) first group's scales, as in the narrow kernels.
 static inline void widen_block(const uint16_t* w, const uint16_t*, int64_t kc, float* out) {
