@@ -136,9 +136,13 @@ class PackedLinear(nn.Module):
         library = self.onednn if self.onednn is not None else self.qweight
         return self.packed is not None and (library is None or self.plan[dispatch.bucket(rows)] == "hand")
 
+    def panels(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the compiled kernels' panels (the form the fused decode layer runs), fp32 in and out."""
+        return self.kernels.linear(x, self.packed, self.bias, self.out_features, self.panel_scales, a8=self.a8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_hand(x.numel() // self.in_features):  # fp32, bf16 or int8 panels, fp32 in and out
-            return self.kernels.linear(x, self.packed, self.bias, self.out_features, self.panel_scales, a8=self.a8)
+        if self.uses_hand(x.numel() // self.in_features):
+            return self.panels(x)
         if self.weights == "float32":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         xb = x.to(torch.bfloat16)
@@ -399,12 +403,16 @@ class Block(nn.Module):
         """Every position of a chunk ``(B, T, dim)`` over a dense cache (or none)."""
         return self._residual(x, lambda h: self.attention(h, rope, mask, cache, layer, start))
 
+    def fuses(self, rows: int) -> bool:
+        """Whether a decode call with ``rows`` rows runs as the fused kernel call (``decode``)."""
+        return self.fused_decode and self.fuse_plan[dispatch.bucket(rows)]
+
     def decode(self, x: torch.Tensor, rope, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor,
                next_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One position per row ``(R, 1, dim)`` over this layer's KV pool.
         ``next_pool``: the pool of the layer that runs next, which the fused
         path starts pulling into the CPU caches."""
-        if self.fused_decode and self.fuse_plan[dispatch.bucket(x.shape[0])]:
+        if self.fuses(x.shape[0]):
             # the same layer as one kernel call on the compiled kernels' panels (tests/test_kernels.py)
             weights, heads, scales = self._fused_args
             nk, nv = next_pool if next_pool is not None else (None, None)

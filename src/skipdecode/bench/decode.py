@@ -90,20 +90,13 @@ class _Ours:
         """Only the matrix multiplications of one full-depth decode step (every
         layer's linears and the LM head, same kernels and shapes, no attention,
         norms or activations): the floor under a full-depth step."""
-        from .. import dispatch
-
         net, B = self.llm.model, len(self.ids)
-        calls = []  # each linear in the form the step runs it: the fused layer's panels where it is fused
-        for blk in net.layers:
-            fused = blk.fused_decode and blk.fuse_plan[dispatch.bucket(B)]
-            for m in (blk.wqkv, blk.wo, blk.w13, blk.w2):
-                calls.append((lambda x, m=m, k=blk.kernels: k.linear(x, m.packed, m.bias, m.out_features,
-                                                                      m.panel_scales, a8=m.a8)) if fused else m)
-        linears = [m for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [net.lm_head]
-        calls.append(net.lm_head)
-        xs = [torch.randn(B, 1, m.in_features) for m in linears]
+        # each linear in the form the step runs it: the fused layer's panels where it is fused
+        calls = [(m, m.panels if blk.fuses(B) else m) for blk in net.layers
+                 for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [(net.lm_head, net.lm_head)]
+        xs = [torch.randn(B, 1, m.in_features) for m, _ in calls]
         with torch.inference_mode():
-            f = lambda: [c(x) for c, x in zip(calls, xs)]  # noqa: E731
+            f = lambda: [c(x) for (_, c), x in zip(calls, xs)]  # noqa: E731
             f()
             return _best_time(f, repeats * 2)
 
