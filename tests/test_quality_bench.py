@@ -218,7 +218,7 @@ def test_the_seed_spread_gives_each_seeds_bleu_kept_and_names_with_mean_and_rang
     write("rec-b", "report", {1.0: 60.0, 3.0: 57.0})
     write("rec-c", "select", {1.0: 70.0})  # a seed scored on one split only counts on that split
     groups = {REF: ("ref-a", "ref-b", "ref-missing"), "recipe": ("rec-a", "rec-b", "rec-c")}
-    spread = seed_spread(tmp_path, groups)
+    spread = seed_spread(tmp_path, groups, {"recipe": REF})
     got = {(g["recipe"], g["split"], g["speedup_target"]): g for g in spread}
     assert set(got) == {(REF, "report", 1.0), ("recipe", "report", 1.0), ("recipe", "report", 3.0),
                         ("recipe", "select", 1.0)}

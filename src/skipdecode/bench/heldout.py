@@ -39,6 +39,7 @@ REFERENCE = "full-depth fine-tuning (shipped recipe, 1x only)"
 # the skip-the-bottom recipe at full depth only, trained at three seeds: the noise floor between two runs
 SEED_REFERENCE = "full-depth fine-tuning (skip-the-bottom recipe, 1x only)"
 SHIPPED = "default-e2e (shipped)"
+SHIPPED_SEED0 = "the shipped recipe at seed 0 (default-e2e before)"
 NESTED = "nested layer sets, no renaming (default-e2e before)"
 SKIP = "skipping the bottom layers (default-e2e before that)"
 STATIC_DROP = "static layer drop (ShortGPT)"
@@ -47,13 +48,21 @@ SHIPPED_05B = "qwen2.5-coder-0.5b-e2e"
 HEADLINE = (SHIPPED, SHIPPED_05B, STATIC_DROP, EARLY_EXIT, REFERENCE)  # at most 5 series
 
 
-# Recipes trained at several seeds (data order, schedule draws, LoRA init; benchmarks/quality_heldout_gpu.sh,
-# one GPU): how far runs of one recipe land apart is the noise floor of any comparison between two runs.
+SHIPPED_RECIPE = "the shipped recipe (recipes/default-e2e-names-aug-1800.yaml)"
+SKIP_RECIPE = "the skip-the-bottom recipe (recipes/default-e2e.yaml)"
+# Recipes trained at several seeds (data order, schedule draws, LoRA init; benchmarks/quality_heldout_gpu.sh
+# and benchmarks/screen_seeds_gpu.sh, one GPU): how far runs of one recipe land apart is the noise floor of
+# any comparison between two runs.
 SEED_GROUPS: dict[str, tuple[str, ...]] = {
     SEED_REFERENCE: ("full-only", "full-only-seed1", "full-only-seed2"),
-    "the skip-the-bottom recipe (recipes/default-e2e.yaml)": ("default-e2e-cuda", "default-e2e-cuda-seed1",
-                                                              "default-e2e-cuda-seed2"),
+    SKIP_RECIPE: ("default-e2e-cuda", "default-e2e-cuda-seed1", "default-e2e-cuda-seed2"),
+    REFERENCE: ("screen-names-aug-1800-ref",),
+    # seed 0 on the CPU and again on the GPU, seeds 1-3 on the GPU; seed 2 is the shipped default-e2e
+    SHIPPED_RECIPE: ("default-e2e-names-aug-1800", "screen-names-aug-1800-gpu", "screen-names-aug-1800-seed1",
+                     "default-e2e", "screen-names-aug-1800-seed3"),
 }
+# each recipe's 1x against the same recipe trained at full depth only
+SEED_REFERENCES = {SKIP_RECIPE: SEED_REFERENCE, SHIPPED_RECIPE: REFERENCE}
 
 
 @dataclass(frozen=True)
@@ -80,10 +89,12 @@ def heldout_rows() -> list[HeldoutRow]:
         HeldoutRow(REFERENCE, "screen-names-aug-1800-ref", "runs/gpu-names-aug-1800-ref", targets=(1.0,)),
         HeldoutRow(SEED_REFERENCE, "full-only", "runs/heldout-full-only", targets=(1.0,)),
         # the shipped default-e2e: nested layer sets by measured influence, trained with name augmentation
-        # (recipes/default-e2e-names-aug-1800.yaml)
+        # (recipes/default-e2e-names-aug-1800.yaml at seed 2, chosen on select among seeds 0-3)
         HeldoutRow(SHIPPED, "default-e2e", "default-e2e"),
         HeldoutRow("default-e2e, adaptive budgets", "default-e2e-adaptive", "default-e2e",
                    targets=(2.0, 3.0, 4.0), adaptive=True, own=SHIPPED),
+        # the same recipe at seed 0, shipped before
+        HeldoutRow(SHIPPED_SEED0, "default-e2e-names-aug-1800", "runs/default-e2e-names-aug-1800"),
         # the same without name augmentation (recipes/default-e2e-nested.yaml), shipped before it
         HeldoutRow(NESTED, "default-e2e-nested", "runs/default-e2e-nested"),
         HeldoutRow("nested, no renaming, adaptive budgets", "default-e2e-nested-adaptive", "runs/default-e2e-nested",
@@ -109,10 +120,13 @@ def _local_run_missing(model: str) -> bool:
     return ("/" in model or model.startswith(".")) and not Path(model).exists()
 
 
-def seed_spread(results: Path = RESULTS, groups: dict[str, tuple[str, ...]] | None = None) -> list[dict[str, Any]]:
+def seed_spread(results: Path = RESULTS, groups: dict[str, tuple[str, ...]] | None = None,
+                references: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Per recipe, split and target: each seed's BLEU, kept fraction of its own 1x and names right,
-    with their mean and range (seeds whose evaluation is missing are left out)."""
+    with their mean and range (seeds whose evaluation is missing are left out), and the group its
+    1x is held to (``references``: recipe -> its full-depth-only group)."""
     out = []
+    references = SEED_REFERENCES if references is None else references
     for recipe, stems in (SEED_GROUPS if groups is None else groups).items():
         for split in SPLITS:
             by_seed = {}
@@ -126,7 +140,8 @@ def seed_spread(results: Path = RESULTS, groups: dict[str, tuple[str, ...]] | No
                 bleu = [res[t]["bleu"] for _, res in have]
                 kept = [res[t]["bleu"] / res[1.0]["bleu"] for _, res in have if 1.0 in res and res[1.0]["bleu"]]
                 names = [res[t].get("names_copied") for _, res in have]
-                out.append({"recipe": recipe, "split": split, "speedup_target": t, "seeds": [s for s, _ in have],
+                out.append({"recipe": recipe, "reference": references.get(recipe), "split": split,
+                            "speedup_target": t, "seeds": [s for s, _ in have],
                             "bleu": [round(x, 2) for x in bleu], "bleu_stats": _stats(bleu),
                             "kept_own": [round(x, 4) for x in kept], "kept_own_stats": _stats(kept),
                             "names_copied": names})
@@ -140,7 +155,8 @@ def _stats(xs: list[float]) -> dict[str, float] | None:
 def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RESULTS, quick: bool = False,
                         new_tokens: int = 32, batch: int = 16, repeats: int = 3,
                         rows: list[HeldoutRow] | None = None,
-                        seed_groups: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
+                        seed_groups: dict[str, tuple[str, ...]] | None = None,
+                        seed_references: dict[str, str] | None = None) -> dict[str, Any]:
     """Every row's scores from its select and report evaluations; its speed measured here."""
     out_dir, results = Path(out_dir), Path(results)
     rows = rows or heldout_rows()
@@ -269,7 +285,7 @@ def run_heldout_quality(out_dir: str | Path = RESULTS, results: str | Path = RES
         "not_yet_measured": missing,
         "not_timed": untimed,
         "results": table,
-        "seed_spread": seed_spread(results, seed_groups),
+        "seed_spread": seed_spread(results, seed_groups, seed_references),
     }
     atomic.write_text(out_dir / "quality.json", json.dumps(report, indent=2) + "\n")
     atomic.write_text(out_dir / "quality.md", render_markdown(report))
@@ -314,11 +330,14 @@ def render_markdown(rep: dict) -> str:
             f"{_kept(sel.get('bleu_kept_own'), None, True)} |")
     spread = rep.get("seed_spread") or []
     if spread:
-        lines += ["", "## The reference and the skip-the-bottom recipe trained side by side, by seed", "",
-                  "Both trained on one GPU (`skipdecode train --device cuda`, `benchmarks/quality_heldout_gpu.sh`) "
-                  "at seed 0, or N for a run named -seedN (`--seed`: data order, schedule draws, LoRA init; the split stays fixed), "
-                  "each scored as above: the same hardware for both, and with several seeds the range between "
-                  "them is the noise floor of comparing two single runs.", "",
+        lines += ["", "## Recipes and their full-depth-only references, by seed", "",
+                  "Trained on one GPU (`skipdecode train --device cuda`: `benchmarks/quality_heldout_gpu.sh`, "
+                  "`benchmarks/screen_weights_gpu.sh`, `benchmarks/screen_seeds_gpu.sh`) at seed 0, or N for a run "
+                  "named -seedN (`--seed`: data order, schedule draws, LoRA init; the split stays fixed); "
+                  "`default-e2e-names-aug-1800` is the shipped recipe's seed-0 run trained on the CPU, `default-e2e` "
+                  "its seed-2 run (shipped). Each scored as above; of the shipped recipe's runs, those not shipped are "
+                  "scored on select only. With several seeds the range between them is the noise floor of comparing two single "
+                  "runs.", "",
                   "| recipe | split | target | runs (eval-SPLIT-RUN.json) | BLEU per run | mean (min-max) "
                   "| kept of own 1x per run | mean kept | names right per run |",
                   "|---|---|---:|---|---|---|---|---:|---|"]
@@ -332,10 +351,11 @@ def render_markdown(rep: dict) -> str:
                 + f" | {'-' if k is None or g['speedup_target'] == 1.0 else format(100 * k['mean'], '.1f') + '%'} | "
                 + " / ".join(_percent(x) for x in g["names_copied"]) + " |")
         one = {(g["recipe"], g["split"]): g["bleu_stats"] for g in spread if g["speedup_target"] == 1.0}
+        held_to = {g["recipe"]: g.get("reference") for g in spread}
         for split in SPLITS:
-            ref = one.get((SEED_REFERENCE, split))
             for (recipe, sp), st in one.items():
-                if sp == split and recipe != SEED_REFERENCE and ref:
+                ref = one.get((held_to[recipe], split))
+                if sp == split and ref:
                     single = st["min"] == st["max"] and ref["min"] == ref["max"]
                     lines += ["", f"{split}, 1x: {recipe} {st['mean']:.2f} {'' if single else 'mean '}BLEU against "
                                   f"the full-depth-only reference's {ref['mean']:.2f} (difference "
