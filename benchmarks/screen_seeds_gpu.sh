@@ -11,25 +11,10 @@
 # Each writes runs/gpu-NAME (a LoRA adapter and its train_log.jsonl) and runs/gpu-NAME.log; a
 # killed run resumes when the script is run again. benchmarks/screen_seeds_select.sh scores
 # them on the CPU. Run from the repository root.
-set -euo pipefail
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
-SD=${SKIPDECODE:-skipdecode}
 RECIPE=recipes/default-e2e-names-aug-1800.yaml
-mkdir -p runs
-run() {  # run NAME [train flags...]: train (or resume, or skip when finished) on the GPU
-  local name=$1; shift
-  local dir=runs/gpu-$name
-  [ -f $dir/adapter_model.safetensors ] && return 0
-  $SD train --config $RECIPE -o $dir --device cuda $([ -d $dir/checkpoints ] && echo --resume) "$@" \
-    >> $dir.log 2>&1
-}
-$SD --version  # fail early when the command is missing
-pids=()
-run names-aug-1800-seed1 --seed 1 & pids+=($!)
-run names-aug-1800-seed2 --seed 2 & pids+=($!)
-run names-aug-1800-seed3 --seed 3 & pids+=($!)
-run names-aug-1800-distill --distill 0.5 & pids+=($!)
-status=0
-for p in "${pids[@]}"; do wait "$p" || status=1; done
-tail -n 2 runs/gpu-names-aug-1800-*.log
-exit $status
+source benchmarks/gpu_runs.sh
+start names-aug-1800-seed1 --seed 1
+start names-aug-1800-seed2 --seed 2
+start names-aug-1800-seed3 --seed 3
+start names-aug-1800-distill --distill 0.5
+finish
