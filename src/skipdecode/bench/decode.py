@@ -1,17 +1,23 @@
 """``skipdecode bench``: decode speed against HF transformers, in one run.
 
 Both engines get the same model, prompts (chat template) and a
-fixed number of new tokens (EOS ignored). Decode time is isolated the same way
-for both: ``t(N new tokens) - t(1 new token)`` over ``N - 1`` decode steps,
-each time the best of several interleaved repeats (timings on shared CPUs are
-noisy; the minimum is the least disturbed run of either engine). Speedups are ratios measured in
-this run, never against figures from another day.
+fixed number of new tokens (EOS ignored). skipdecode's decode steps are timed
+one by one inside its generation loop (each step's best over the interleaved
+repeats, summed); transformers' and vLLM's decode as ``t(N new tokens) - t(1
+new token)`` over ``N - 1`` steps, best of the repeats (timings on shared CPUs
+are noisy; the minimum is the least disturbed run). Speedups are ratios
+measured in this run, never against figures from another day.
 
 The cost model the skip measurements are checked against: a decode step costs
-``fixed + b * per_layer`` where ``fixed`` (embedding, final norm, LM head) is
-measured directly by a step that runs no layer, and ``per_layer`` follows
-from the full-depth step. Predicted speedup of a schedule =
-``full / (fixed + mean_b * per_layer)``.
+``fixed + b * per_layer``, a straight line through two engine steps timed in
+the same rounds: full depth and a schedule that runs one layer per generated
+token (``fixed``: all a step does besides its layers, sampling and the engine's
+scheduling included). Predicted speedup of a schedule =
+``full / (fixed + mean_b * per_layer)``. The line assumes a layer costs the
+same whatever else the step reads; where the last-level cache holds a
+one-layer step's weights and LM head but not a full-depth step's, ``fixed``
+comes out below the LM head's read time from memory and the line predicts
+more than skipping can give (``fixed_ms_per_step`` in the results shows it).
 """
 
 from __future__ import annotations
