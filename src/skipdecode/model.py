@@ -408,11 +408,13 @@ class Block(nn.Module):
         return self.fused_decode and self.fuse_plan[dispatch.bucket(rows)]
 
     def decode(self, x: torch.Tensor, rope, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor,
-               next_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               next_pool: tuple[torch.Tensor, torch.Tensor] | None = None, bucket: int | None = None
+               ) -> torch.Tensor:
         """One position per row ``(R, 1, dim)`` over this layer's KV pool.
         ``next_pool``: the pool of the layer that runs next, which the fused
-        path starts pulling into the CPU caches."""
-        if self.fuses(x.shape[0]):
+        path starts pulling into the CPU caches. ``bucket``: ``dispatch.bucket(R)``
+        when the caller has it (one lookup per step rather than per layer)."""
+        if self.fused_decode and self.fuse_plan[dispatch.bucket(x.shape[0]) if bucket is None else bucket]:
             # the same layer as one kernel call on the compiled kernels' panels (tests/test_kernels.py)
             weights, heads, scales = self._fused_args
             nk, nv = next_pool if next_pool is not None else (None, None)
@@ -596,12 +598,13 @@ class Transformer(nn.Module):
         x, rope = self.embed(tokens[:, None], positions[:, None])  # (R, 1, dim)
         runs = [l for l, lr in enumerate(layer_rows) if lr is not None]
         layers = list(self.layers)  # one pass over the ModuleList, not an indexed lookup per layer
+        every = dispatch.bucket(x.shape[0])  # the kernel forms of a layer that runs every row
         for i, l in enumerate(runs):
             lr = layer_rows[l]
             nxt = pools[runs[i + 1]] if i + 1 < len(runs) else None
             block = layers[l]
             if lr.rows is None:  # every row
-                x = block.decode(x, rope, *pools[l], lr.slots, nxt)
+                x = block.decode(x, rope, *pools[l], lr.slots, nxt, every)
             elif isinstance(lr.rows, int):  # a leading block of rows (rows ordered by budget)
                 n = lr.rows
                 r = None if rope is None else (rope[0][:n], rope[1][:n])

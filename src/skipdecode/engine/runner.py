@@ -61,15 +61,17 @@ class ModelRunner:
         # one op: each layer's rows are then a view, not a stack of their own
         starts = torch.tensor([st.reservation.starts for st, _, _ in rows]).T  # (L, R)
         slots = torch.stack([starts, (positions + 1).expand_as(starts)], 2)
+        per_layer = slots.unbind(0)  # every layer's (R, 2) view in one call, not an indexing op per layer
         layer_rows: list[LayerRows | None] = []
         for l, (n, idx) in enumerate(plan.layers):
             if n == 0:
                 layer_rows.append(None)
             elif idx is None:
-                layer_rows.append(LayerRows(None if n == len(rows) else n, slots[l, :n]))
+                layer_rows.append(LayerRows(None, per_layer[l]) if n == len(rows) else
+                                  LayerRows(n, per_layer[l][:n]))
             else:
                 ix = torch.tensor(idx)
-                layer_rows.append(LayerRows(ix, slots[l].index_select(0, ix)))
+                layer_rows.append(LayerRows(ix, per_layer[l].index_select(0, ix)))
         drafts = [None] * (len(rows) - len(plan.decode)) + [st.draft_extra if st.round_size else None
                                                             for st in plan.decode]
         with dispatch.single_row_forms() if plan.verify else nullcontext():
