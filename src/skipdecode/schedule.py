@@ -23,6 +23,7 @@ it. Conventions (see SKIPDECODE.md):
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -114,14 +115,13 @@ class SkipSchedule:
         """How many of the first ``n_steps`` decode steps run ``layer``.
 
         Budgets never increase, so they are always a prefix of the steps; the
-        KV cache of ``layer`` therefore needs only ``prompt + this`` slots.
+        KV cache of ``layer`` therefore needs only ``prompt + this`` slots. The
+        prefix ends at the first step that skips the layer, found by bisection
+        (a request's admission sizes every layer's slots from this, for up to
+        ``max_new_tokens`` steps).
         """
-        count = 0
-        for i in range(n_steps):
-            if not self.layer_runs(layer, self.budget(i)):
-                break
-            count += 1
-        return count
+        rank = self.ranks[layer]
+        return bisect.bisect_left(range(n_steps), True, key=lambda i: self.budget(i) <= rank)
 
     def decode_layer_speedup(self, new_tokens: int) -> float:
         """``L / mean b(i)`` over the decode steps of ``new_tokens`` new tokens."""
