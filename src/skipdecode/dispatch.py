@@ -36,7 +36,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first buc
 LIBRARY = {"float32": "onednn", "bfloat16": "onednn", "int8": "int8mm",  # the form that is not ours, per dtype
            "int4": "dense",  # int4 has no library form: without the kernels, dequantized bf16 on torch
            "w8a8": "dense", "w4a8": "dense"}  # int8 activations: the panels only (model.PackedLinear)
-COLD_BYTES = 96e6  # more than any last-level cache of a 2-32 core CPU slice: weights come from memory
+# More than the last-level cache of most 2-32 core CPU slices, so timed weights come from memory.
+# Not all: some report more (an Intel Xeon in docs/results.md has a 300 MiB L3); there the timings
+# are of weights still in L3, as a small or quantized model's weights may also be when it runs.
+COLD_BYTES = 96e6
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
 
@@ -132,8 +135,8 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
     from .model import quantize_int8
 
     # A model's weights stream from memory at every step; one weight timed again and again would
-    # sit in the caches and favour the wrong form. Each call takes the next of enough copies to
-    # overflow the last-level cache.
+    # sit in the caches and favour the wrong form. Each call takes the next of enough copies to fill
+    # COLD_BYTES, at most 32 (a small weight's 32 copies fill less).
     w = torch.randn(out_features, in_features) * 0.02
     nbytes = w.numel() * {"float32": 4, "bfloat16": 2, "int8": 1}[weights]
     copies = max(1, min(32, int(COLD_BYTES // nbytes)))
