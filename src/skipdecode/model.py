@@ -403,9 +403,10 @@ class Block(nn.Module):
         """Every position of a chunk ``(B, T, dim)`` over a dense cache (or none)."""
         return self._residual(x, lambda h: self.attention(h, rope, mask, cache, layer, start))
 
-    def fuses(self, rows: int) -> bool:
-        """Whether a decode call with ``rows`` rows runs as the fused kernel call (``decode``)."""
-        return self.fused_decode and self.fuse_plan[dispatch.bucket(rows)]
+    def fuses(self, rows: int, bucket: int | None = None) -> bool:
+        """Whether a decode call with ``rows`` rows runs as the fused kernel call (``decode``);
+        ``bucket``: ``dispatch.bucket(rows)`` when the caller has it."""
+        return self.fused_decode and self.fuse_plan[dispatch.bucket(rows) if bucket is None else bucket]
 
     def decode(self, x: torch.Tensor, rope, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor,
                next_pool: tuple[torch.Tensor, torch.Tensor] | None = None, bucket: int | None = None
@@ -414,7 +415,7 @@ class Block(nn.Module):
         ``next_pool``: the pool of the layer that runs next, which the fused
         path starts pulling into the CPU caches. ``bucket``: ``dispatch.bucket(R)``
         when the caller has it (one lookup per step rather than per layer)."""
-        if self.fused_decode and self.fuse_plan[dispatch.bucket(x.shape[0]) if bucket is None else bucket]:
+        if self.fuses(x.shape[0], bucket):
             # the same layer as one kernel call on the compiled kernels' panels (tests/test_kernels.py)
             weights, heads, scales = self._fused_args
             nk, nv = next_pool if next_pool is not None else (None, None)
