@@ -14,15 +14,9 @@ Prints a table; reads a bench.json. Run from the repository root:
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
-
-
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return slope, my - slope * mx
 
 
 def main() -> None:
@@ -43,7 +37,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for (engine, batch), rows in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         full = next(r for r in rows if r["speedup_target"] == 1.0)
-        slope, icept = fit([L / r["decode_layer_speedup"] for r in rows], [r["ms_per_step"] for r in rows])
+        slope, icept = statistics.linear_regression([L / r["decode_layer_speedup"] for r in rows], [r["ms_per_step"] for r in rows])
         worst = min(r["measured_over_predicted"] for r in rows if r["speedup_target"] != 1.0)
         print(f"| {batch} | {engine} | {slope:.3f} | {icept:.2f} | {icept + slope:.2f} | "
               f"{full['one_layer_ms_per_step']:.2f} | {full['fixed_ms_per_step']:.2f} | {worst:.3f} |")
