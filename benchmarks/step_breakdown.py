@@ -23,7 +23,7 @@ from skipdecode import LLM
 from skipdecode.bench.decode import PROMPTS, machine_info
 from skipdecode.generate import generate_tokens
 
-DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8")
+DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
 N, RUNS = 64, 6
 
 

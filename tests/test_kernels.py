@@ -371,16 +371,18 @@ def a8_form(request, k):
     k.set_a8(prev)
 
 
-def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, int4: bool):
-    """The w8a8 / w4a8 product computed the slow, obviously right way: each row quantized to int8
-    in blocks of 32 (scale max|x| / 127, round half to even), exact per-block integer sums (float64
-    holds them exactly), then the scales. Returns it and the sum of its terms' magnitudes."""
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, int4: bool,
+                  top: float = 127.0):
+    """The w8a8 / w4a8 product computed the slow, obviously right way: each row quantized to
+    integers in [-top, top] in blocks of 32 (scale max|x| / top, round half to even; top = 127 * 128
+    for w8a16 / w4a16), exact per-block integer sums (float64 holds them exactly), then the scales.
+    Returns it and the sum of its terms' magnitudes."""
     M, K = x.shape
     xb = x.reshape(M, K // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # `127.0 / t` is 127 * (1 / t) in torch
-    xq = torch.round(xb * inv).clamp(-127, 127)
-    xs = (amax / 127.0).squeeze(-1).double()  # [M, K/32]
+    inv = torch.where(amax > 0, torch.full_like(amax, top) / amax, 0.0)  # `c / t` is c * (1 / t) in torch
+    xq = torch.round(xb * inv).clamp(-top, top)
+    xs = (amax / top).squeeze(-1).double()  # [M, K/32]
     wq = (q.double() - 8) if int4 else q.double()
     sums = torch.einsum("mbk,nbk->mnb", xq.double(), wq.reshape(q.shape[0], K // 32, 32))
     terms = sums * xs[:, None, :] * (scales.double()[None] if int4 else scales.double()[None, :, None])
@@ -392,7 +394,11 @@ def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: 
 @pytest.mark.parametrize("n,kdim", [(16, 32), (40, 288), (3, 544), (24, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
 @pytest.mark.parametrize("int4", [False, True])
-def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows(k, rows, n, kdim, int4, a8_form):
+@pytest.mark.parametrize("limbs", [1, 2])
+def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows(k, rows, n, kdim, int4, limbs,
+                                                                                  a8_form):
+    """limbs=1: int8 activations (w8a8 / w4a8); limbs=2: 15-bit activations as two int8 limbs
+    (w8a16 / w4a16), whose rounding is 128 times finer."""
     from skipdecode.model import quantize_int4, quantize_int8
 
     g = _gen(rows * 1000 + n + int4)
@@ -409,18 +415,19 @@ def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows
         packed, ps = kernels.pack_int8_vnni(q), kernels.pack_scales(s)
         weight_only_panels = (kernels.pack_weight(q), ps)
     assert packed.shape == weight_only_panels[0].shape and packed.dtype == weight_only_panels[0].dtype
-    got = k.linear(x, packed, b, n, ps, a8=True)
-    want, mag = _a8_reference(x, q, s, b, int4)
+    got = k.linear(x, packed, b, n, ps, a8=limbs)
+    want, mag = _a8_reference(x, q, s, b, int4, 127.0 if limbs == 1 else 127.0 * 128)
     assert ((got.double() - want).abs() <= 2e-7 * kdim / 32 * mag + 1e-6).all()
-    # and it is the weight-only product up to the activations' rounding (about 0.5% here)
+    # and it is the weight-only product up to the activations' rounding (about 0.5% with int8 here)
     weight_only = k.linear(x, *weight_only_panels[:1], b, n, weight_only_panels[1])
     diff = ((got - weight_only).norm() / weight_only.norm()).item()
-    assert diff < 0.02 and (diff > 0 or kdim == 32 and rows == 1)
+    assert diff < (0.02 if limbs == 1 else 2e-4) and (diff > 0 or kdim == 32 and rows == 1)
 
 
 @needs_kernels
 @pytest.mark.parametrize("int4", [False, True])
-def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4):
+@pytest.mark.parametrize("limbs", [1, 2])
+def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4, limbs):
     """A CPU without VNNI (the AVX2 form) computes exactly what one with it does, and both exactly
     what the plain C++ form does: 1 to 13 rows (the AVX2 form takes them 4 at a time), K over
     several blocks of 256, weights at the int8 extremes and activations with outliers."""
@@ -440,7 +447,7 @@ def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4):
         out = {}
         for f in forms:
             k.set_a8(f)
-            out[f] = [k.linear(x[:m], packed, None, 72, ps, a8=True) for m in (1, 2, 3, 4, 5, 8, 13)]
+            out[f] = [k.linear(x[:m], packed, None, 72, ps, a8=limbs) for m in (1, 2, 3, 4, 5, 8, 13)]
     finally:
         k.set_a8(prev)
     for f in forms[1:]:
@@ -456,7 +463,8 @@ def test_w8a8_packing_refuses_minus_128():
 
 @needs_kernels
 @pytest.mark.parametrize("int4", [False, True])
-def test_int8_activation_rows_do_not_depend_on_their_batch_mates(k, int4, a8_form):
+@pytest.mark.parametrize("limbs", [1, 2])
+def test_int8_activation_rows_do_not_depend_on_their_batch_mates(k, int4, limbs, a8_form):
     """Each row's integer sums are exact and its fp32 steps do not depend on the row count, so a
     row computed in a call of 13 equals it computed alone, bit for bit (lossless verification
     and batching give 1x's numbers without forcing one-row forms)."""
@@ -466,9 +474,9 @@ def test_int8_activation_rows_do_not_depend_on_their_batch_mates(k, int4, a8_for
     w, x = torch.randn(40, 320, generator=g), torch.randn(13, 320, generator=g)
     packed, ps = kernels.pack_int4_vnni(*quantize_int4(w)) if int4 else \
         (lambda q, s: (kernels.pack_int8_vnni(q), kernels.pack_scales(s)))(*quantize_int8(w))
-    together = k.linear(x, packed, None, 40, ps, a8=True)
+    together = k.linear(x, packed, None, 40, ps, a8=limbs)
     for i in (0, 5, 12):
-        assert torch.equal(together[i], k.linear(x[i:i + 1], packed, None, 40, ps, a8=True)[0])
+        assert torch.equal(together[i], k.linear(x[i:i + 1], packed, None, 40, ps, a8=limbs)[0])
 
 
 @needs_kernels
@@ -485,24 +493,26 @@ def test_int8_activations_refuse_float_panels_and_ragged_k(k):
 @pytest.fixture(scope="module")
 def tiny_reduced(tiny_dirs):
     """The llama tiny model in each reduced-precision dtype on the kernels' panels: int8 and int4
-    (weight-only, scaled panels), w8a8 and w4a8 (int8 activations)."""
+    (weight-only, scaled panels), w8a8 and w4a8 (int8 activations), w8a16 and w4a16 (two limbs)."""
     from skipdecode.checkpoint import load_model
 
     return {w: load_model(tiny_dirs["llama"])[0].pack_for_inference(weights=w)
-            for w in ("int8", "int4", "w8a8", "w4a8")}
+            for w in ("int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")}
 
 
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "llama-int8", "llama-int4",
-                                  "llama-w8a8", "llama-w4a8"])
+                                  "llama-w8a8", "llama-w4a8", "llama-w8a16", "llama-w4a16"])
 @pytest.mark.parametrize("skip_first", [False, True])
 def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_reduced, arch, skip_first, isa):
     """Rows of different lengths, each in its own pool slots: full-depth
     prefill, then one decode step, fused (one kernel call per layer) and
     unfused: same logits, same pool (int8 weights too: scaled panels)."""
     net = tiny_reduced[arch[6:]] if arch.startswith("llama-") else tiny_packed[arch]
-    if arch in ("llama-w8a8", "llama-w4a8"):
-        assert all(b.wqkv.a8 and b.w2.a8 and b.fused_decode for b in net.layers) and net.lm_head.a8
+    if arch in ("llama-w8a8", "llama-w4a8", "llama-w8a16", "llama-w4a16"):
+        form = 2 if arch.endswith("a16") else 1
+        assert all(b.wqkv.a8 == form and b.w2.a8 == form and b.fused_decode for b in net.layers)
+        assert net.lm_head.a8 == form
     if arch == "llama-int8":
         assert net.layers[0].w13.packed.dtype == torch.int8 and net.layers[0].fused_decode
     if arch == "llama-int4":

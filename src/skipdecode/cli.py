@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llamacpp", action="store_true",
                    help="against llama.cpp (F32, Q8_0, Q4_0 GGUFs of the same weights) at batch 1, 8 and 32, with "
                         "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32, "
-                        "int8 and int4); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
+                        "int8, int4, w8a8, w4a8, w8a16 and w4a16); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
     b.add_argument("--llamacpp-venv", default=".venv-llamacpp",
                    help="the virtualenv `make llamacpp-venv` builds (--llamacpp, and a peer in --serve)")
     b.add_argument("--llamacpp-build", default="auto", choices=["auto", "build", "build-avx2", "build-noamx"],

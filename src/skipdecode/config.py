@@ -11,11 +11,11 @@ from .errors import SkipDecodeError
 
 
 # The linears' weight dtypes (model.PackedLinear): fp32, bf16, weight-only int8 / int4, and int8 / int4
-# weights with int8 activations (w8a8, w4a8). Here, beside the other switches, so that the CLI's
+# weights with int8 activations (w8a8, w4a8) or 15-bit integer activations (w8a16, w4a16). Here, beside the other switches, so that the CLI's
 # choices come from the same tuple without importing torch.
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
 DTYPE_HELP = ("weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only, or w8a8 / w4a8 "
-              "(int8 / int4 weights with int8 activations)")
+              "(int8 / int4 weights with int8 activations), or w8a16 / w4a16 (with 15-bit integer activations)")
 
 
 class ModelError(SkipDecodeError):

@@ -35,10 +35,12 @@ import torch
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a call with M rows uses the first bucket >= M (else the last)
 LIBRARY = {"float32": "onednn", "bfloat16": "onednn", "int8": "int8mm",  # the form that is not ours, per dtype
            "int4": "dense",  # int4 has no library form: without the kernels, dequantized bf16 on torch
-           "w8a8": "dense", "w4a8": "dense"}  # int8 activations: the panels only (model.PackedLinear)
+           "w8a8": "dense", "w4a8": "dense",  # integer activations: the panels only (model.PackedLinear)
+           "w8a16": "dense", "w4a16": "dense"}
 # More than the last-level cache of most 2-32 core CPU slices, so timed weights come from memory.
 # Not all: some report more (an Intel Xeon in docs/results.md has a 300 MiB L3); there the timings
 # are of weights still in L3, as a small or quantized model's weights may also be when it runs.
+PANELS_ONLY = ("int4", "w8a8", "w4a8", "w8a16", "w4a16")  # dtypes the compiled panels alone run
 COLD_BYTES = 96e6
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
@@ -114,15 +116,20 @@ def choose(timings: dict[str, Sequence[float]]) -> tuple[str, ...]:
     return tuple(min(forms, key=lambda f: (timings[f][i], forms.index(f))) for i in range(len(BUCKETS)))
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def _median_times(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds per call of each function, their calls interleaved: on a shared machine a burst
+    of other work then slows every form alike instead of the one being timed (one form timed after
+    the other could pick the slower one: an LM head's int8 form was seen 2x slower that way)."""
+    for fn in fns:
         fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+        fn()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, times in zip(fns, out):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return [statistics.median(t) for t in out]
 
 
 def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5,
@@ -167,9 +174,15 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
             wp, sp = panels[next(nxt) % copies]
             return kernel_module.linear(x, wp, None, out_features, sp)
 
-        res[hand].append(_median_time(run_hand, n))
-        res[lib].append(_median_time(lambda: run_lib(x, library[next(nxt) % copies]), n)
-                        if library is not None else float("inf"))
+        if library is None:
+            res[hand].append(_median_times([run_hand], n)[0])
+            res[lib].append(float("inf"))
+        else:
+            def run_library(x=x, nxt=iter(range(10 ** 9))):  # its own turn through its copies
+                return run_lib(x, library[next(nxt) % copies])
+            t_hand, t_lib = _median_times([run_hand, run_library], n)
+            res[hand].append(t_hand)
+            res[lib].append(t_lib)
     return res
 
 
@@ -241,7 +254,7 @@ def plan_for(out_features: int, in_features: int, kernel_module, weights: str = 
     """The form to run at each bucket for a weight of this shape and dtype, on this machine."""
     if kernel_module is None:
         return tuple(LIBRARY[weights] for _ in BUCKETS)
-    if weights == "int8" and not int8mm_takes(in_features) or weights in ("int4", "w8a8", "w4a8"):
+    if weights == "int8" and not int8mm_takes(in_features) or weights in PANELS_ONLY:
         return tuple("hand" for _ in BUCKETS)  # the panels are the only form
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return default_plan(True, weights)
@@ -254,7 +267,7 @@ def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = 
     does the same GEMMs plus the norms, RoPE and attention without leaving the kernel)."""
     if kernel_module is None:
         return tuple(False for _ in BUCKETS)
-    if weights in ("int4", "w8a8", "w4a8") or weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
+    if weights in PANELS_ONLY or weights == "int8" and not all(int8mm_takes(i) for _, i in shapes):
         return tuple(True for _ in BUCKETS)  # the panels are the only int4 form, or the only int8 form of some
     if weights == "bfloat16" and not cpu_features()["onednn_bf16"]:
         return tuple(True for _ in BUCKETS)  # no oneDNN bf16 on this CPU (AVX2 only): the panels are the bf16 form

@@ -36,7 +36,8 @@ from . import dispatch, kernels
 from .config import WEIGHT_DTYPES, ModelConfig
 
 
-A8_DTYPES = {"w8a8": "int8", "w4a8": "int4"}  # int8 activations -> the weight dtype they run on
+A8_DTYPES = {"w8a8": "int8", "w4a8": "int4", "w8a16": "int8", "w4a16": "int4"}  # -> the weights they run on
+A8_FORM = {"w8a8": 1, "w4a8": 1, "w8a16": 2, "w4a16": 2}  # the kernels' activation form: int8, two int8 limbs
 
 
 DRAFT_VOCAB = 8192  # token ids a lossless draft scores (benchmarks/results/lossless.md measures the effect)
@@ -69,7 +70,12 @@ class PackedLinear(nn.Module):
       CPU's integer dot-product units (AVX512-VNNI; elsewhere AVX2's
       vpmaddubsw/vpmaddwd: the same integer sums, the same outputs). Exact int32 sums make a row's
       result independent of the other rows of the call (batch-invariant). A
-      linear whose ``in_features`` is not a multiple of 32 keeps weight-only int8.
+      linear whose ``in_features`` is not a multiple of 32 keeps weight-only int8;
+    - ``w8a16``, ``w4a16``: the same panels and integer units with activations
+      rounded to 15 bits per block of 32 (finer than bf16 near each block's
+      largest entry), held as two int8 limbs: two integer dot products per 4
+      k instead of widening every weight to fp32, so a memory-bound step is
+      no longer bound by the widening. Batch-invariant as w8a8.
 
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
@@ -85,10 +91,10 @@ class PackedLinear(nn.Module):
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if weights in ("int4", "w4a8", "w8a8") and self.in_features % kernels.INT4_GROUP:
+        if weights in ("int4", *A8_DTYPES) and self.in_features % kernels.INT4_GROUP:
             weights = "int8"  # no whole groups of 32 along this weight's inputs
         # int8 activations run on the compiled panels only; without them, weight-only as int8/int4 does
-        self.a8 = weights in A8_DTYPES and kernel_module is not None
+        self.a8 = A8_FORM.get(weights, 0) if kernel_module is not None else 0
         weights = A8_DTYPES.get(weights, weights)
         self.weights = weights
         self.kernels = kernel_module
@@ -495,7 +501,7 @@ class Transformer(nn.Module):
                 setattr(block, name, PackedLinear(getattr(block, name), k, weights, keep_panels=fuse))
         # int4 keeps the LM head in int8, as llama.cpp's Q4_0 keeps its output matrix at 6 bits: 4-bit
         # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
-        head = {"int4": "int8", "w4a8": "w8a8"}.get(weights, weights)
+        head = {"int4": "int8", "w4a8": "w8a8", "w4a16": "w8a16"}.get(weights, weights)
         self.lm_head = PackedLinear(self.lm_head, k, head)
         if self.draft_head is not None:
             self.draft_head = PackedLinear(self.draft_head, k, head)

@@ -130,7 +130,8 @@ class _HF:
 
 
 ENGINE_NAMES = {"float32": "skipdecode", "bfloat16": "skipdecode-bf16", "int8": "skipdecode-int8",
-                "int4": "skipdecode-int4", "w8a8": "skipdecode-w8a8", "w4a8": "skipdecode-w4a8"}
+                "int4": "skipdecode-int4", "w8a8": "skipdecode-w8a8", "w4a8": "skipdecode-w4a8",
+                "w8a16": "skipdecode-w8a16", "w4a16": "skipdecode-w4a16"}
 
 
 def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,

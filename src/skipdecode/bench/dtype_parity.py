@@ -1,6 +1,6 @@
 """Quality in every weight dtype (``skipdecode bench --dtype-parity``): the shipped model on
 e2e-heldout's report part (restaurant names never seen in training, never used to choose
-anything), greedy, at 1x-3x, in fp32, bf16, int8, int4, w8a8 and w4a8. BLEU against fp32's, and greedy token
+anything), greedy, at 1x-3x, in fp32, bf16, int8, int4, w8a8, w4a8, w8a16 and w4a16. BLEU against fp32's, and greedy token
 agreement: the share of fp32's generated tokens that the other dtype reproduces at the same
 position before the two first diverge, and the share of outputs that are identical."""
 
@@ -28,7 +28,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmarks/results",
                      speedups: tuple[float, ...] = (1.0, 2.0, 3.0), data: Path = DATA,
                      split: str = "report",
-                     dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8")
+                     dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8", "w8a16",
+                                                 "w4a16")
                      ) -> dict[str, Any]:
     """Every weight dtype on the same prompts; the default split's restaurant names were held out
     from the shipped checkpoint's training."""

@@ -35,8 +35,10 @@ from ..llm import LLM
 from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, write_report
 
 # skipdecode dtype -> the llama.cpp type of the same size class it is compared with (Q8_0 and Q4_0
-# also quantize activations to 8 bits in blocks of 32 for their dot products, as w8a8 and w4a8 do)
-PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0", "w4a8": "q4_0"}
+# also quantize activations to 8 bits in blocks of 32 for their dot products, as w8a8 and w4a8 do;
+# w8a16 and w4a16 keep 15 bits)
+PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "w8a16": "q8_0",
+             "int4": "q4_0", "w4a8": "q4_0", "w4a16": "q4_0"}
 LLAMACPP_VENV = ".venv-llamacpp"
 GGUF_CACHE = "llamacpp"  # the GGUFs this bench makes live in $SKIPDECODE_CACHE/llamacpp/<model>
 
@@ -182,7 +184,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     speedups = speedups or [1.0, 2.0, 3.0]
     if 1.0 not in speedups:
         speedups = [1.0] + list(speedups)
-    dtypes = dtypes or ["float32", "int8", "int4", "w8a8", "w4a8"]
+    dtypes = dtypes or ["float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16"]
     types = list(dict.fromkeys(PEER_TYPE[d] for d in dtypes if d in PEER_TYPE))  # GGUFs to make, in order
     N = new_tokens or (16 if quick else 64)
     R = repeats or (1 if quick else 5)

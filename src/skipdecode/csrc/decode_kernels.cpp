@@ -698,8 +698,15 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 constexpr int64_t QB = 32;
 
 // Quantized activations of M rows: q [M, K] int8, per block of QB: scale s and sum of q.
+// Two limbs (w8a16, w4a16): each x rounds to an integer v in [-A16_MAX, A16_MAX] (scale = max|x| /
+// A16_MAX, 15 bits of precision per block) held as v = 128 * q + l, q = v >> 7 in -127..127 and
+// l = v & 127 in 0..127 (ql); sum is then the sum of v. Both limbs are vpdpbusd's signed operand;
+// each block's exact sum is 128 * (weights . q) + (weights . l), so a product costs two integer
+// dot products instead of a widening and an FMA per weight, with activations finer than bf16.
+constexpr int32_t A16_MAX = 127 * 128;
 struct QuantX {
   std::vector<int8_t> q;
+  std::vector<int8_t> ql;
   std::vector<float> s;
   std::vector<int32_t> sum;
   int64_t K = 0, nb = 0;
@@ -707,13 +714,15 @@ struct QuantX {
 
 // Rounding by cvtps (the default MXCSR mode: nearest, ties to even) in AVX2, which every CPU the
 // kernels run on has; std::nearbyint is a libm call per element, a measurable share of a one-row call.
-void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx) {
+void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx, bool a16 = false) {
   qx.K = K;
   qx.nb = K / QB;
   qx.q.resize(M * K);
+  if (a16) qx.ql.resize(M * K);
+  const float top = a16 ? static_cast<float>(A16_MAX) : 127.f;
   qx.s.resize(M * qx.nb);
   qx.sum.resize(M * qx.nb);
-  const __m256 sign = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 sign = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-top), hi = _mm256_set1_ps(top);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < qx.nb; ++b) {
       const float* xb = x + r * K + b * QB;
@@ -723,7 +732,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx) {
       m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
       m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
       const float amax = _mm256_cvtss_f32(m);
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float d = amax / top, inv = amax > 0.f ? top / amax : 0.f;
       const __m256 vinv = _mm256_set1_ps(inv);
       __m256i sum = _mm256_setzero_si256();
       alignas(32) int32_t q[QB];
@@ -734,7 +743,15 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantX& qx) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), qi);
       }
       int8_t* dst = qx.q.data() + r * K + b * QB;
-      for (int64_t i = 0; i < QB; ++i) dst[i] = static_cast<int8_t>(q[i]);
+      if (a16) {
+        int8_t* low = qx.ql.data() + r * K + b * QB;
+        for (int64_t i = 0; i < QB; ++i) {
+          dst[i] = static_cast<int8_t>(q[i] >> 7);  // arithmetic: floor(v / 128)
+          low[i] = static_cast<int8_t>(q[i] & 127);
+        }
+      } else {
+        for (int64_t i = 0; i < QB; ++i) dst[i] = static_cast<int8_t>(q[i]);
+      }
       alignas(32) int32_t part[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(part), sum);
       qx.s[r * qx.nb + b] = d;
@@ -767,18 +784,22 @@ SD_VNNI static inline __m512i vnni_i4(const uint8_t* w) {
 // whose per-column scale applies at the end (finish512). Per block of 32 k and row, the exact
 // int32 sum becomes fp32 once: f += float(sum - offset * xsum) * xs (* 16 * group scale).
 // U sets of int32 sums take alternate k so that enough vpdpbusd chains are in flight.
-template <int R, bool Q4>
-SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K,
-                                           int64_t nb, const void* wv, const uint16_t* gs, int64_t kc, float* acc,
-                                           bool first, bool last, float* y, int64_t ldy, int64_t ncols,
+// A16: xl holds the low limbs (QuantX); a second set of sums takes them.
+template <int R, bool Q4, bool A16>
+SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const int8_t* xl, const float* xs, const int32_t* xsum,
+                                           int64_t K, int64_t nb, const void* wv, const uint16_t* gs, int64_t kc,
+                                           float* acc, bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                            const float* scale, const float* bias, const float* res) {
-  constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
+  constexpr int U = A16 ? (R == 1 ? 2 : 1) : R == 1 ? 4 : R == 2 ? 2 : 1;
+  constexpr int RL = A16 ? R : 1;
   __m512 f[R];
   for (int r = 0; r < R; ++r) f[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
   for (int64_t b = 0; b < kc; b += QB) {
-    __m512i s[U][R];
-    for (int u = 0; u < U; ++u)
+    __m512i s[U][R], t[U][RL];
+    for (int u = 0; u < U; ++u) {
       for (int r = 0; r < R; ++r) s[u][r] = _mm512_setzero_si512();
+      for (int r = 0; r < RL; ++r) t[u][r] = _mm512_setzero_si512();
+    }
     for (int64_t k = b; k < b + QB; k += 4) {
       const int u = (k / 4) % U;
       __m512i w;
@@ -791,14 +812,21 @@ SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const float* xs, co
         _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
         w = vnni_i8(p);
       }
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
         s[u][r] = _mm512_dpbusd_epi32(s[u][r], w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + k)));
+        if constexpr (A16)
+          t[u][r] = _mm512_dpbusd_epi32(t[u][r], w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xl + r * K + k)));
+      }
     }
     const int64_t blk = b / QB;
     __m512 g = _mm512_set1_ps(1.f);
     if constexpr (Q4) g = _mm512_mul_ps(load_w16(gs + blk * NR), _mm512_set1_ps(16.f));
     for (int r = 0; r < R; ++r) {
       for (int u = 1; u < U; ++u) s[0][r] = _mm512_add_epi32(s[0][r], s[u][r]);
+      if constexpr (A16) {
+        for (int u = 1; u < U; ++u) t[0][r] = _mm512_add_epi32(t[0][r], t[u][r]);
+        s[0][r] = _mm512_add_epi32(_mm512_slli_epi32(s[0][r], 7), t[0][r]);
+      }
       const __m512i off = _mm512_set1_epi32((Q4 ? 8 : 128) * xsum[r * nb + blk]);
       const __m512 sumf = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[0][r], off));
       f[r] = _mm512_fmadd_ps(sumf, Q4 ? _mm512_mul_ps(g, _mm512_set1_ps(xs[r * nb + blk])) : _mm512_set1_ps(xs[r * nb + blk]), f[r]);
@@ -807,30 +835,36 @@ SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const float* xs, co
   finish512<R>(f, acc, last, y, ldy, ncols, scale, bias, res);
 }
 
-template <bool Q4>
-SD_VNNI void row_block_a8(int64_t r, const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, int64_t nb,
-                          const void* w, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last, float* y,
-                          int64_t N, int64_t ncols, const float* scale, const float* bias, const float* res) {
+template <bool Q4, bool A16>
+SD_VNNI void row_block_a8(int64_t r, const int8_t* xq, const int8_t* xl, const float* xs, const int32_t* xsum,
+                          int64_t K, int64_t nb, const void* w, const uint16_t* gs, int64_t kc, float* acc, bool first,
+                          bool last, float* y, int64_t N, int64_t ncols, const float* scale, const float* bias,
+                          const float* res) {
+  auto run = [&](auto rows) {
+    micro_kernel_a8<decltype(rows)::value, Q4, A16>(xq, xl, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols,
+                                                    scale, bias, res);
+  };
   switch (r) {
-    case 12: return micro_kernel_a8<12, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 11: return micro_kernel_a8<11, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 10: return micro_kernel_a8<10, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 9: return micro_kernel_a8<9, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 8: return micro_kernel_a8<8, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 7: return micro_kernel_a8<7, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 6: return micro_kernel_a8<6, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 5: return micro_kernel_a8<5, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 4: return micro_kernel_a8<4, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 3: return micro_kernel_a8<3, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    case 2: return micro_kernel_a8<2, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
-    default: return micro_kernel_a8<1, Q4>(xq, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias, res);
+    case 12: return run(std::integral_constant<int, 12>());
+    case 11: return run(std::integral_constant<int, 11>());
+    case 10: return run(std::integral_constant<int, 10>());
+    case 9: return run(std::integral_constant<int, 9>());
+    case 8: return run(std::integral_constant<int, 8>());
+    case 7: return run(std::integral_constant<int, 7>());
+    case 6: return run(std::integral_constant<int, 6>());
+    case 5: return run(std::integral_constant<int, 5>());
+    case 4: return run(std::integral_constant<int, 4>());
+    case 3: return run(std::integral_constant<int, 3>());
+    case 2: return run(std::integral_constant<int, 2>());
+    default: return run(std::integral_constant<int, 1>());
   }
 }
 
 // The same arithmetic without VNNI (any x86-64 CPU): signed integer sums per block, the same
 // fp32 steps in the same order (fmaf is the fused multiply-add vfmadd computes).
-template <bool Q4>
-void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const int32_t*, int64_t K, int64_t nb,
+template <bool Q4, bool A16>
+void row_block_a8_portable(int64_t R, const int8_t* xq, const int8_t* xl, const float* xs, const int32_t*, int64_t K,
+                           int64_t nb,
                            const void* wv, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last,
                            float* y, int64_t ldy, int64_t ncols, const float* scale, const float* bias,
                            const float* res) {
@@ -840,7 +874,7 @@ void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const i
     for (int64_t b = 0; b < kc; b += QB) {
       int32_t s[NR] = {0};
       for (int64_t k = b; k < b + QB; ++k) {
-        const int32_t xv = xq[r * K + k];
+        const int32_t xv = A16 ? 128 * xq[r * K + k] + xl[r * K + k] : xq[r * K + k];
         for (int64_t c = 0; c < NR; ++c) {
           const int64_t v = c * 4 + k % 4;  // the weight's byte in its 4 k's 64-byte operand
           int32_t wq;
@@ -879,12 +913,14 @@ void row_block_a8_portable(int64_t R, const int8_t* xq, const float* xs, const i
 // Exact int32 sums and the same fp32 steps in the same order: bitwise the VNNI form's outputs.
 // A panel's 16 columns are two registers: columns 0-7 (int8: bytes 0-31 of the 64-byte operand;
 // int4: the low nibbles) and 8-15 (bytes 32-63; the high nibbles). Up to 4 rows per call.
-template <int R, bool Q4>
-static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, int64_t nb,
-                                        const void* wv, const uint16_t* gs, int64_t kc, float* acc, bool first,
-                                        bool last, float* y, int64_t ldy, int64_t ncols, const float* scale,
-                                        const float* bias, const float* res) {
-  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+// A16: the low limbs (0..127) multiply the same weights; each limb's int16 pairs widen to int32
+// at once, the high limb's times 128 (vpmaddwd by 128: exact), into the same int32 sums.
+template <int R, bool Q4, bool A16>
+static inline void micro_kernel_a8_avx2(const int8_t* xq, const int8_t* xl, const float* xs, const int32_t* xsum,
+                                        int64_t K, int64_t nb, const void* wv, const uint16_t* gs, int64_t kc,
+                                        float* acc, bool first, bool last, float* y, int64_t ldy, int64_t ncols,
+                                        const float* scale, const float* bias, const float* res) {
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f), hi16 = _mm256_set1_epi16(128);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   if (first)
     for (int r = 0; r < R; ++r) std::fill(acc + r * NR, acc + (r + 1) * NR, 0.f);
@@ -907,7 +943,24 @@ static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const
       }
       for (int r = 0; r < R; ++r) {
         const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + k));
-        if constexpr (Q4) {  // a pair is at most 2 * 15 * 127 = 3810: 8 of them fit int16
+        if constexpr (A16) {
+          const __m256i lb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xl + r * K + k));
+          __m256i h0, h1, l0, l1;
+          if constexpr (Q4) {  // codes 0..15 unsigned, limbs signed: pairs of at most 3810
+            h0 = _mm256_maddubs_epi16(w0, xb);
+            h1 = _mm256_maddubs_epi16(w1, xb);
+            l0 = _mm256_maddubs_epi16(w0, lb);
+            l1 = _mm256_maddubs_epi16(w1, lb);
+          } else {  // signed weights take the high limb's sign; the low limb is >= 0
+            const __m256i ax = _mm256_abs_epi8(xb);
+            h0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+            h1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+            l0 = _mm256_maddubs_epi16(lb, w0);
+            l1 = _mm256_maddubs_epi16(lb, w1);
+          }
+          s0[r] = _mm256_add_epi32(s0[r], _mm256_add_epi32(_mm256_madd_epi16(h0, hi16), _mm256_madd_epi16(l0, ones)));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(_mm256_madd_epi16(h1, hi16), _mm256_madd_epi16(l1, ones)));
+        } else if constexpr (Q4) {  // a pair is at most 2 * 15 * 127 = 3810: 8 of them fit int16
           s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(w0, xb));
           s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(w1, xb));
         } else {
@@ -919,7 +972,7 @@ static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const
         }
       }
     }
-    if constexpr (Q4)
+    if constexpr (Q4 && !A16)
       for (int r = 0; r < R; ++r) {
         s0[r] = _mm256_madd_epi16(s0[r], ones);
         s1[r] = _mm256_madd_epi16(s1[r], ones);
@@ -945,17 +998,17 @@ static inline void micro_kernel_a8_avx2(const int8_t* xq, const float* xs, const
   if (last) store_rows(R, acc, y, ldy, ncols, scale, bias, res);
 }
 
-template <bool Q4>
-void row_block_a8_avx2(int64_t R, const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, int64_t nb,
-                       const void* w, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last, float* y,
-                       int64_t ldy, int64_t ncols, const float* scale, const float* bias, const float* res) {
+template <bool Q4, bool A16>
+void row_block_a8_avx2(int64_t R, const int8_t* xq, const int8_t* xl, const float* xs, const int32_t* xsum, int64_t K,
+                       int64_t nb, const void* w, const uint16_t* gs, int64_t kc, float* acc, bool first, bool last,
+                       float* y, int64_t ldy, int64_t ncols, const float* scale, const float* bias, const float* res) {
   for (int64_t i = 0; i < R; i += 4) {
     const int64_t r = std::min<int64_t>(4, R - i);
     const float* rp = res ? res + i * ldy : nullptr;
     auto run = [&](auto rows) {
-      micro_kernel_a8_avx2<decltype(rows)::value, Q4>(xq + i * K, xs + i * nb, xsum + i * nb, K, nb, w, gs, kc,
-                                                       acc + i * NR, first, last, y + i * ldy, ldy, ncols, scale,
-                                                       bias, rp);
+      micro_kernel_a8_avx2<decltype(rows)::value, Q4, A16>(xq + i * K, A16 ? xl + i * K : nullptr, xs + i * nb,
+                                                            xsum + i * nb, K, nb, w, gs, kc, acc + i * NR, first, last,
+                                                            y + i * ldy, ldy, ncols, scale, bias, rp);
     };
     switch (r) {
       case 4: run(std::integral_constant<int, 4>()); break;
@@ -967,16 +1020,16 @@ void row_block_a8_avx2(int64_t R, const int8_t* xq, const float* xs, const int32
 }
 
 // y = x @ W^T (+ bias) (+ res) over int8 panels (sa: per-column scales) or int4 panels (gs: group
-// scales), the activations quantized to int8 first (QuantX).
-template <bool Q4>
+// scales), the activations quantized to int8 first (QuantX; A16: in two limbs).
+template <bool Q4, bool A16>
 void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
                       const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   QuantX qx;
-  quantize_rows(xa, M, K, qx);
+  quantize_rows(xa, M, K, qx, A16);
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
-  // loaded (and int4 decoded) once for up to 12 rows
-  panel_loop(M, K, NP, 12, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+  // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
+  panel_loop(M, K, NP, A16 ? 8 : 12, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
@@ -985,32 +1038,41 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
                        : static_cast<const void*>(static_cast<const int8_t*>(wa) + (p * K + k0) * NR);
     const uint16_t* g = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
     const int8_t* xq = qx.q.data() + m * K + k0;
+    const int8_t* xl = A16 ? qx.ql.data() + m * K + k0 : nullptr;
     const float* xs = qx.s.data() + m * nb + k0 / QB;
     const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
     float* yp = ya + m * n + p * NR;
     const float* rp = res ? res + m * n + p * NR : nullptr;
     if (g_a8 == A8_VNNI)
-      row_block_a8<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
+      row_block_a8<Q4, A16>(r, xq, xl, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
     else if (g_a8 == A8_AVX2)
-      row_block_a8_avx2<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
+      row_block_a8_avx2<Q4, A16>(r, xq, xl, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
     else
-      row_block_a8_portable<Q4>(r, xq, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp, rp);
+      row_block_a8_portable<Q4, A16>(r, xq, xl, xs, xsum, K, nb, w, g, kc, acc, first, last, yp, n, ncols, sp, bp,
+                                     rp);
   });
 }
 
-// a8: int8 or int4 panels with the activations quantized to int8 (linear_panels_a8; K % 32 == 0).
+// a8: how int8 or int4 panels take the activations (linear_panels_a8; K % 32 == 0): A_FP32 as they
+// are (widened weights), A_INT8 quantized to int8, A_TWO_LIMBS to 15 bits in two int8 limbs.
+enum ActForm { A_FP32 = 0, A_INT8 = 1, A_TWO_LIMBS = 2 };
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
-                 const float* ba, int64_t n, float* ya, const float* res, bool a8 = false,
+                 const float* ba, int64_t n, float* ya, const float* res, int64_t a8 = A_FP32,
                  const Prefetch& pf = Prefetch()) {
   const int64_t K = packed.size(1) * (packed.scalar_type() == torch::kByte ? 2 : 1), NP = packed.size(0);
   if (M == 0) return;
-  if (a8 && packed.scalar_type() == torch::kByte)
-    return linear_panels_a8<true>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr,
-                                  reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res,
-                                  pf);
+  if (a8 && packed.scalar_type() == torch::kByte) {
+    const auto* gs = reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>());
+    return a8 == A_TWO_LIMBS
+               ? linear_panels_a8<true, true>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr, gs, ba, n, ya, res, pf)
+               : linear_panels_a8<true, false>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr, gs, ba, n, ya, res,
+                                               pf);
+  }
   if (a8 && packed.scalar_type() == torch::kChar)
-    return linear_panels_a8<false>(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), nullptr, ba, n,
-                                   ya, res, pf);
+    return a8 == A_TWO_LIMBS ? linear_panels_a8<false, true>(xa, M, packed.data_ptr<int8_t>(), K, NP,
+                                                             scale->data_ptr<float>(), nullptr, ba, n, ya, res, pf)
+                             : linear_panels_a8<false, false>(xa, M, packed.data_ptr<int8_t>(), K, NP,
+                                                              scale->data_ptr<float>(), nullptr, ba, n, ya, res, pf);
   const auto dt = packed.scalar_type();
   if (M >= (dt == torch::kFloat ? WIDE_MIN_F32 : dt == torch::kByte ? WIDE_MIN_INT4 : WIDE_MIN_INT8)) {
     const float* sa = packed.scalar_type() == torch::kChar ? scale->data_ptr<float>() : nullptr;
@@ -1059,14 +1121,15 @@ void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::
           "int4 panels need K divisible by 32 and contiguous bfloat16 scales [panels, K / 32, 16]");
 }
 
-void check_a8(const torch::Tensor& packed, int64_t k, bool a8) {
+void check_a8(const torch::Tensor& packed, int64_t k, int64_t a8) {
+  check(a8 >= A_FP32 && a8 <= A_TWO_LIMBS, "a8 must be 0 (fp32 activations), 1 (int8) or 2 (two int8 limbs)");
   if (a8)
     check((packed.scalar_type() == torch::kChar || packed.scalar_type() == torch::kByte) && k % QB == 0,
           "int8 activations need int8 or int4 panels and K divisible by 32");
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t n, const c10::optional<torch::Tensor>& scale, bool a8) {
+                     int64_t n, const c10::optional<torch::Tensor>& scale, int64_t a8) {
   check(x.scalar_type() == torch::kFloat, "float32 only");
   const int64_t K = x.size(-1);
   check_packed(packed, K, n, bias, scale);
@@ -1435,7 +1498,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
                            double scale, const c10::optional<torch::Tensor>& next_k,
                            const c10::optional<torch::Tensor>& next_v, const c10::optional<torch::Tensor>& sqkv,
                            const c10::optional<torch::Tensor>& so, const c10::optional<torch::Tensor>& s13,
-                           const c10::optional<torch::Tensor>& s2, bool a8) {
+                           const c10::optional<torch::Tensor>& s2, int64_t a8) {
   check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
   check(kpool.dim() == 3 && kpool.sizes() == vpool.sizes() && kpool.is_contiguous() && vpool.is_contiguous() &&
         kpool.scalar_type() == torch::kFloat && vpool.scalar_type() == torch::kFloat,
@@ -1540,7 +1603,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_a8", &set_a8, "the int8-activation kernels' form: vnni, avx2 or portable", py::arg("form"));
   m.def("set_isa", &set_isa, "use the AVX-512 micro-kernels (true) or the AVX2 ones (false)", py::arg("avx512"));
   m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 and int4 panels with their scales)", py::arg("x"),
-        py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none(), py::arg("a8") = false);
+        py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("scale") = py::none(), py::arg("a8") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
@@ -1552,5 +1615,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wo"), py::arg("bo"), py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("kpool"),
         py::arg("vpool"), py::arg("rows"), py::arg("cos"), py::arg("sin"), py::arg("H"), py::arg("scale"),
         py::arg("next_k") = py::none(), py::arg("next_v") = py::none(), py::arg("sqkv") = py::none(),
-        py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none(), py::arg("a8") = false);
+        py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none(), py::arg("a8") = 0);
 }
