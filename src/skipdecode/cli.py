@@ -224,6 +224,14 @@ def cmd_prune(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_awq(a: argparse.Namespace) -> int:
+    from .awq import calibrate
+
+    out = calibrate(a.model, a.output_dir, task=a.data, examples=a.calibration, speedups=tuple(a.speedups))
+    print(json.dumps({"output_dir": str(out), "next": f"skipdecode generate --model {out} --dtype int4 ..."}))
+    return 0
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
@@ -624,6 +632,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out groups kept out of the calibration text, as in train (default 60)")
     r.add_argument("--output-dir", "-o", required=True)
     r.set_defaults(func=cmd_prune)
+    q = sub.add_parser("awq", help="activation-aware channel scales for int4: the same model, rounding to 4 bits "
+                                   "with less loss",
+                       description="Fit a scale per input channel of every block linear (AWQ) on calibration "
+                                   "examples run with the checkpoint's skip schedules, and fold it into the norm "
+                                   "or the rows before it: the fp32 model computes the same function, and "
+                                   "--dtype int4 / w4a8 / w4a16 on the written checkpoint round with less loss. "
+                                   "Writes a Hugging Face directory (skipdecode.json kept, the fit under 'awq').")
+    q.add_argument("--model", default="default-e2e")
+    q.add_argument("--data", default="e2e-heldout",
+                   help="calibration examples (their training part): e2e | e2e-heldout | scitldr | FILE.jsonl | FILE.csv")
+    q.add_argument("--calibration", type=POSITIVE, default=64, help="training examples (prompt + target) to fit on")
+    q.add_argument("--speedups", type=SPEEDUP, nargs="+", default=[1.0, 2.0, 3.0],
+                   help="the schedules whose layer inputs the scales are fitted to")
+    q.add_argument("--output-dir", "-o", required=True)
+    q.set_defaults(func=cmd_awq)
     from .evaluation.compare import add_compare_cli
     from .evaluation.evaluate import add_evaluate_cli
 
