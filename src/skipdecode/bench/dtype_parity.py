@@ -43,8 +43,10 @@ def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmar
             rows.append({"dtype": dt, "speedup_target": res["speedup_target"], "bleu": res["bleu"],
                          "bleu_minus_fp32": round(res["bleu"] - ref["bleu"], 3), "rougeL": res["rougeL"],
                          **agreement(a, b), "n_examples": res["n_examples"]})
+    command = "skipdecode bench --dtype-parity" + ("" if model == "default-e2e" else f" --model {model}") \
+        + ("" if Path(out_dir) == Path("benchmarks/results") else f" --out-dir {out_dir}")
     report = {"model": model, "data": str(data), "split": split, "greedy": True,
-              "machine": machine_info(), "command": "skipdecode bench --dtype-parity", "results": rows}
+              "machine": machine_info(), "command": command, "results": rows}
     out = Path(out_dir)
     atomic.write_text(out / "dtype-parity.json", json.dumps(report, indent=2) + "\n")
     lines = ["# Quality in every weight dtype", "",
@@ -52,7 +54,7 @@ def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmar
              + (", restaurant names never seen in training" if split in ("report", "select") else "")
              + "), greedy, multi-reference "
              "BLEU (sacrebleu). Token agreement: share of fp32's generated tokens reproduced at the same "
-             "position before the first difference. Produced by `skipdecode bench --dtype-parity` on "
+             f"position before the first difference. Produced by `{command}` on "
              f"{report['machine']['cpu']}.", "",
              "| dtype | target | BLEU | BLEU - fp32 | token agreement | identical outputs |",
              "|---|---|---|---|---|---|"]
