@@ -35,6 +35,7 @@ import torch
 
 from .. import atomic, kernels
 from .. import __version__
+from ..config import WEIGHT_DTYPES
 from ..generate import generate_tokens
 from ..llm import LLM
 from ..schedule import SkipSchedule
@@ -129,9 +130,7 @@ class _HF:
                                 pad_token_id=self.pad, eos_token_id=None)
 
 
-ENGINE_NAMES = {"float32": "skipdecode", "bfloat16": "skipdecode-bf16", "int8": "skipdecode-int8",
-                "int4": "skipdecode-int4", "w8a8": "skipdecode-w8a8", "w4a8": "skipdecode-w4a8",
-                "w8a16": "skipdecode-w8a16", "w4a16": "skipdecode-w4a16"}
+ENGINE_NAMES = {d: "skipdecode" + {"float32": "", "bfloat16": "-bf16"}.get(d, f"-{d}") for d in WEIGHT_DTYPES}
 
 
 def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,

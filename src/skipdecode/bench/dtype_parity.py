@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import atomic
+from ..config import WEIGHT_DTYPES
 from ..evaluation import evaluate
 from .decode import machine_info
 
@@ -28,8 +29,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmarks/results",
                      speedups: tuple[float, ...] = (1.0, 2.0, 3.0), data: Path = DATA,
                      split: str = "report",
-                     dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8", "w8a16",
-                                                 "w4a16")
+                     dtypes: tuple[str, ...] = WEIGHT_DTYPES
                      ) -> dict[str, Any]:
     """Every weight dtype on the same prompts; the default split's restaurant names were held out
     from the shipped checkpoint's training."""

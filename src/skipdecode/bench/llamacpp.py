@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import cache_dir, hf_architecture
+from ..config import WEIGHT_DTYPES
 from ..errors import SkipDecodeError
 from ..generate import generate_tokens
 from ..llm import LLM
@@ -184,7 +185,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     speedups = speedups or [1.0, 2.0, 3.0]
     if 1.0 not in speedups:
         speedups = [1.0] + list(speedups)
-    dtypes = dtypes or ["float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16"]
+    dtypes = dtypes or [d for d in WEIGHT_DTYPES if d in PEER_TYPE]
     types = list(dict.fromkeys(PEER_TYPE[d] for d in dtypes if d in PEER_TYPE))  # GGUFs to make, in order
     N = new_tokens or (16 if quick else 64)
     R = repeats or (1 if quick else 5)

@@ -1053,6 +1053,19 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
   });
 }
 
+// int8 (kChar, per-column scales) or int4 (kByte, group scales) panels with integer activations.
+template <bool A16>
+void linear_into_a8(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
+                    int64_t K, int64_t NP, const float* ba, int64_t n, float* ya, const float* res,
+                    const Prefetch& pf) {
+  if (packed.scalar_type() == torch::kByte)
+    return linear_panels_a8<true, A16>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr,
+                                       reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya,
+                                       res, pf);
+  linear_panels_a8<false, A16>(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), nullptr, ba, n, ya,
+                               res, pf);
+}
+
 // a8: how int8 or int4 panels take the activations (linear_panels_a8; K % 32 == 0): A_FP32 as they
 // are (widened weights), A_INT8 quantized to int8, A_TWO_LIMBS to 15 bits in two int8 limbs.
 enum ActForm { A_FP32 = 0, A_INT8 = 1, A_TWO_LIMBS = 2 };
@@ -1061,18 +1074,9 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
                  const Prefetch& pf = Prefetch()) {
   const int64_t K = packed.size(1) * (packed.scalar_type() == torch::kByte ? 2 : 1), NP = packed.size(0);
   if (M == 0) return;
-  if (a8 && packed.scalar_type() == torch::kByte) {
-    const auto* gs = reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>());
-    return a8 == A_TWO_LIMBS
-               ? linear_panels_a8<true, true>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr, gs, ba, n, ya, res, pf)
-               : linear_panels_a8<true, false>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr, gs, ba, n, ya, res,
-                                               pf);
-  }
-  if (a8 && packed.scalar_type() == torch::kChar)
-    return a8 == A_TWO_LIMBS ? linear_panels_a8<false, true>(xa, M, packed.data_ptr<int8_t>(), K, NP,
-                                                             scale->data_ptr<float>(), nullptr, ba, n, ya, res, pf)
-                             : linear_panels_a8<false, false>(xa, M, packed.data_ptr<int8_t>(), K, NP,
-                                                              scale->data_ptr<float>(), nullptr, ba, n, ya, res, pf);
+  if (a8)  // check_a8: int8 or int4 panels
+    return a8 == A_TWO_LIMBS ? linear_into_a8<true>(xa, M, packed, scale, K, NP, ba, n, ya, res, pf)
+                             : linear_into_a8<false>(xa, M, packed, scale, K, NP, ba, n, ya, res, pf);
   const auto dt = packed.scalar_type();
   if (M >= (dt == torch::kFloat ? WIDE_MIN_F32 : dt == torch::kByte ? WIDE_MIN_INT4 : WIDE_MIN_INT8)) {
     const float* sa = packed.scalar_type() == torch::kChar ? scale->data_ptr<float>() : nullptr;
