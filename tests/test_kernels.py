@@ -357,15 +357,19 @@ def test_int4_quantization_is_llamacpp_q4_0s_rule():
         quantize_int4(torch.randn(4, 40))
 
 
-HAS_VNNI = HAS_AVX512 and "avx512_vnni" in __import__("skipdecode.dispatch").dispatch.cpu_features()["isa"]
+_ISA = set(__import__("skipdecode.dispatch").dispatch.cpu_features()["isa"])
+HAS_VNNI = HAS_AVX512 and "avx512_vnni" in _ISA
+HAS_AMX = HAS_VNNI and {"amx_tile", "amx_int8"} <= _ISA
 
 
-@pytest.fixture(params=["portable", "avx2", "vnni"])
+@pytest.fixture(params=["portable", "avx2", "vnni", "amx"])
 def a8_form(request, k):
     """Run the test on each form of the int8-activation kernels: the portable and AVX2 ones run on
-    every CPU the kernels build on, the AVX512-VNNI one where present."""
+    every CPU the kernels build on, the AVX512-VNNI and AMX ones where present."""
     if request.param == "vnni" and not HAS_VNNI:
         pytest.skip("this CPU has no AVX512-VNNI")
+    if request.param == "amx" and not HAS_AMX:
+        pytest.skip("this CPU has no AMX-INT8")
     prev = k.set_a8(request.param)
     yield request.param
     k.set_a8(prev)
@@ -429,25 +433,28 @@ def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows
 @pytest.mark.parametrize("limbs", [1, 2])
 def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4, limbs):
     """A CPU without VNNI (the AVX2 form) computes exactly what one with it does, and both exactly
-    what the plain C++ form does: 1 to 13 rows (the AVX2 form takes them 4 at a time), K over
-    several blocks of 256, weights at the int8 extremes and activations with outliers."""
+    what the plain C++ form does, and so does AMX's tile form: 1 to 40 rows (the AVX2 form takes
+    them 4 at a time, VNNI 8 or 12, AMX 16 from 8 or 16 rows on), K over several blocks of 256,
+    weights at the int8 extremes, activations with outliers, a bias and a partial last panel."""
     from skipdecode.model import quantize_int4, quantize_int8
 
     g = _gen(11)
-    w, x = torch.randn(72, 576, generator=g), torch.randn(13, 576, generator=g)
+    w, x = torch.randn(72, 576, generator=g), torch.randn(40, 576, generator=g)
     w[3, :64] = 40.0  # a column whose weights hit +-127 after rounding
     w[5, 64:128] = -40.0
     x[:, 7] *= 50  # an outlier channel: its block's other activations round to few levels
     x[2] = 0  # a row of zeros
     packed, ps = kernels.pack_int4_vnni(*quantize_int4(w)) if int4 else \
         (lambda q, s: (kernels.pack_int8_vnni(q), kernels.pack_scales(s)))(*quantize_int8(w))
-    forms = ["portable", "avx2"] + (["vnni"] if HAS_VNNI else [])
+    forms = ["portable", "avx2"] + (["vnni"] if HAS_VNNI else []) + (["amx"] if HAS_AMX else [])
+    bias = torch.randn(72, generator=g)
     prev = k.set_a8("portable")
     try:
         out = {}
         for f in forms:
             k.set_a8(f)
-            out[f] = [k.linear(x[:m], packed, None, 72, ps, a8=limbs) for m in (1, 2, 3, 4, 5, 8, 13)]
+            out[f] = [k.linear(x[:m], packed, bias if m % 2 else None, 72, ps, a8=limbs)
+                      for m in (1, 2, 3, 4, 5, 8, 13, 16, 17, 32, 40)]
     finally:
         k.set_a8(prev)
     for f in forms[1:]:
@@ -466,17 +473,33 @@ def test_w8a8_packing_refuses_minus_128():
 @pytest.mark.parametrize("limbs", [1, 2])
 def test_int8_activation_rows_do_not_depend_on_their_batch_mates(k, int4, limbs, a8_form):
     """Each row's integer sums are exact and its fp32 steps do not depend on the row count, so a
-    row computed in a call of 13 equals it computed alone, bit for bit (lossless verification
-    and batching give 1x's numbers without forcing one-row forms)."""
+    row computed in a call of 20 (AMX's tiles where the CPU has them) equals it computed alone, bit
+    for bit (lossless verification and batching give 1x's numbers without forcing one-row forms)."""
     from skipdecode.model import quantize_int4, quantize_int8
 
     g = _gen(12)
-    w, x = torch.randn(40, 320, generator=g), torch.randn(13, 320, generator=g)
+    w, x = torch.randn(40, 320, generator=g), torch.randn(20, 320, generator=g)
     packed, ps = kernels.pack_int4_vnni(*quantize_int4(w)) if int4 else \
         (lambda q, s: (kernels.pack_int8_vnni(q), kernels.pack_scales(s)))(*quantize_int8(w))
     together = k.linear(x, packed, None, 40, ps, a8=limbs)
-    for i in (0, 5, 12):
+    for i in (0, 5, 12, 19):
         assert torch.equal(together[i], k.linear(x[i:i + 1], packed, None, 40, ps, a8=limbs)[0])
+
+
+def test_int8_activation_form_follows_the_cpu_and_the_environment(monkeypatch):
+    """AMX where the CPU has it unless SKIPDECODE_AMX=0, VNNI next, AVX2 otherwise or when forced."""
+    monkeypatch.delenv("SKIPDECODE_AMX", raising=False)
+    monkeypatch.delenv("SKIPDECODE_ISA", raising=False)
+    assert kernels.a8_form() == ("amx" if HAS_AMX else "vnni" if HAS_VNNI else "avx2")
+    monkeypatch.setenv("SKIPDECODE_AMX", "0")
+    assert kernels.a8_form() == ("vnni" if HAS_VNNI else "avx2")
+    monkeypatch.setenv("SKIPDECODE_ISA", "avx2")
+    assert kernels.a8_form() == "avx2"
+    monkeypatch.setenv("SKIPDECODE_AMX", "yes")
+    monkeypatch.delenv("SKIPDECODE_ISA")
+    if HAS_VNNI:
+        with pytest.raises(ValueError, match="SKIPDECODE_AMX must be 0 or 1"):
+            kernels.a8_form()
 
 
 @needs_kernels

@@ -45,14 +45,24 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-# how the kernel source is compiled (AVX2 + FMA baseline; the AVX-512 and VNNI forms carry their own targets)
-BUILD_FLAGS = {"extra_cflags": ["-O3", "-mavx2", "-mfma", "-fopenmp"], "extra_ldflags": ["-fopenmp"]}
+# how the kernel source is compiled (AVX2 + FMA baseline; the AVX-512, VNNI and AMX forms carry their own
+# targets). No implicit FMA contraction: every fused multiply-add is written out, so an expression
+# rounds the same in each form it is inlined into and the forms stay bitwise equal.
+BUILD_FLAGS = {"extra_cflags": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+               "extra_ldflags": ["-fopenmp"]}
 
 
 def configure(module):
     """Point a freshly built kernel module at this CPU's forms (``isa``, ``a8_form``); returns it."""
     module.set_isa(isa() == "avx512")
-    module.set_a8(a8_form())
+    form = a8_form()
+    try:
+        module.set_a8(form)
+    except RuntimeError as e:  # AMX present but not granted by the OS: the VNNI form computes the same
+        if form != "amx":
+            raise
+        warnings.warn(f"skipdecode: {e}; the int8-activation kernels use AVX512-VNNI", stacklevel=2)
+        module.set_a8("vnni")
     return module
 
 
@@ -113,13 +123,20 @@ def isa() -> str:
 
 
 def a8_form() -> str:
-    """The form of the int8-activation kernels (``w8a8``, ``w4a8``) here: ``vnni`` where the CPU has
-    AVX512-VNNI, else ``avx2`` (vpmaddubsw/vpmaddwd, as llama.cpp's Q8_0 on AVX2 CPUs);
-    ``SKIPDECODE_ISA=avx2`` forces ``avx2``. Both give the same integer sums, bit for bit, as the
-    plain C++ form the tests hold them to."""
+    """The form of the int8-activation kernels (``w8a8``, ``w4a8``, ``w8a16``, ``w4a16``) here:
+    ``amx`` where the CPU has AMX-INT8 (tiles for calls of several rows, VNNI below),
+    ``vnni`` where it has AVX512-VNNI, else ``avx2`` (vpmaddubsw/vpmaddwd, as llama.cpp's Q8_0 on
+    AVX2 CPUs). ``SKIPDECODE_ISA=avx2`` forces ``avx2``; ``SKIPDECODE_AMX=0`` leaves AMX out. All
+    give the same integer sums and outputs, bit for bit, as the plain C++ form the tests hold them to."""
     from .dispatch import cpu_features
 
-    return "vnni" if isa() == "avx512" and "avx512_vnni" in cpu_features()["isa"] else "avx2"
+    have = set(cpu_features()["isa"])
+    if isa() != "avx512" or "avx512_vnni" not in have:
+        return "avx2"
+    amx = os.environ.get("SKIPDECODE_AMX", "1")
+    if amx not in ("0", "1"):
+        raise ValueError(f"SKIPDECODE_AMX must be 0 or 1, got {amx!r}")
+    return "amx" if amx == "1" and {"amx_tile", "amx_int8"} <= have else "vnni"
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
