@@ -1030,13 +1030,12 @@ void row_block_a8_avx2(int64_t R, const int8_t* xq, const int8_t* xl, const floa
 // exact int32 sums, what 8 vpdpbusd per row compute. Each block of 32 k has its own activation
 // scale, so every block's sums leave the tile (tilestored) and take the same fp32 steps, in the
 // same order, as micro_kernel_a8: the outputs are bitwise those of the VNNI, AVX2 and plain forms.
-// With few rows a tile is mostly idle and the vector form is as fast or faster (int4 panels are
-// decoded to int8 for the tile first), so AMX runs from AMX_MIN_INT8 / AMX_MIN_INT4 rows (timed on
-// a Xeon with AMX: an int8 3072 x 576 panel product at 8 rows took 66 us against VNNI's 75, at 4
-// rows 56 against 53; int4 at 16 rows 123 against 145, at 8 rows 108 against 73).
+// With few rows the tile unit's fixed cost per block (the loads, the product's latency, the store
+// of its sums) is not paid back: AMX runs from AMX_MIN_ROWS rows, where it beat VNNI in all four
+// dtypes on a Xeon with AMX (benchmarks/a8_forms.py); at 4 rows the two were even.
 #define SD_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 constexpr int64_t AMX_ROWS = 16;  // rows of an A / C tile
-constexpr int64_t AMX_MIN_INT8 = 12, AMX_MIN_INT4 = 16;
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 struct AmxConfig {  // the 64-byte operand of ldtilecfg (palette 1)
   uint8_t palette = 1, start = 0;
@@ -1048,10 +1047,11 @@ struct AmxConfig {  // the 64-byte operand of ldtilecfg (palette 1)
 // Tiles, two sets that alternate from one (block, row block) unit to the next: B 4 / 5 the unit's
 // block of weights, C 0 / 6 its high-limb sums and C 1 / 7 its low-limb sums; A 2 / 3 the high / low
 // limbs of its activations (shared by both sets).
-SD_AMX static void amx_configure() {
+// h: rows of the A and C tiles (a row block), at most AMX_ROWS.
+SD_AMX static void amx_configure(int64_t h) {
   AmxConfig c;
-  for (int t : {0, 1, 6, 7}) c.rows[t] = AMX_ROWS, c.colsb[t] = NR * 4;
-  for (int t : {2, 3}) c.rows[t] = AMX_ROWS, c.colsb[t] = QB;
+  for (int t : {0, 1, 6, 7}) c.rows[t] = static_cast<uint8_t>(h), c.colsb[t] = NR * 4;
+  for (int t : {2, 3}) c.rows[t] = static_cast<uint8_t>(h), c.colsb[t] = QB;
   for (int t : {4, 5}) c.rows[t] = QB / 4, c.colsb[t] = NR * 4;
   // not _tile_loadconfig: GCC 12's form names only the first 8 bytes as read, and the rest of the
   // struct's stores are dropped as dead
@@ -1138,18 +1138,21 @@ SD_AMX void amx_rows(const QuantX& qx, int64_t m, const uint8_t* wb, const uint1
 #undef SD_AMX_STORE
 
 // linear_panels_a8 on AMX: panels split across threads, each configuring its tiles; a panel's
-// weights are put in B-tile form once (amx_b_block) for all its row blocks.
+// weights are put in B-tile form once (amx_b_block) for all its row blocks. The rows split into
+// the fewest blocks of at most 16, of equal height rounded up to 4 (8 rows: one tile of 8 rows,
+// not 16 with 8 of padding; 20 rows: two of 12).
 template <bool Q4, bool A16>
 void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
                        const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res,
                        const Prefetch& pf) {
-  const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, nb = qx.nb;
+  const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = ((M + nrb - 1) / nrb + 3) / 4 * 4, Mp = nrb * h;
+  const int64_t nb = qx.nb;
   qx.q.resize(Mp * K, 0);  // zero rows: whole tiles load; the padding's sums are not stored
   if (A16) qx.ql.resize(Mp * K, 0);
   qx.s.resize(Mp * nb, 0.f);
   const int64_t wstride = Q4 ? K * (NR / 2) : K * NR;  // bytes of one panel
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    amx_configure();
+    amx_configure(h);
     alignas(64) int32_t cbuf[2 * 2 * AMX_ROWS * NR];
     alignas(64) float acc[AMX_ROWS * NR];
     std::vector<__m512i> wb(nb * 8);  // 64-byte aligned B blocks of this panel
@@ -1159,9 +1162,9 @@ void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t
       uint8_t* wbp = reinterpret_cast<uint8_t*>(wb.data());
       for (int64_t b = 0; b < nb; ++b) amx_b_block<Q4>(w, b * QB, wbp + b * 512);
       const uint16_t* g = Q4 ? gs + p * (K / G4) * NR : nullptr;
-      for (int64_t m = 0; m < M; m += AMX_ROWS) {
-        const int64_t mr = std::min(AMX_ROWS, M - m);
-        switch ((mr + 3) / 4) {
+      for (int64_t m = 0; m < M; m += h) {
+        const int64_t mr = std::min(h, M - m);
+        switch (h / 4) {
           case 4: amx_rows<16, Q4, A16>(qx, m, wbp, g, acc, cbuf); break;
           case 3: amx_rows<12, Q4, A16>(qx, m, wbp, g, acc, cbuf); break;
           case 2: amx_rows<8, Q4, A16>(qx, m, wbp, g, acc, cbuf); break;
@@ -1192,7 +1195,7 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
                       const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   QuantX qx;
   quantize_rows(xa, M, K, qx, A16);
-  if (g_a8 == A8_AMX && M >= (Q4 ? AMX_MIN_INT4 : AMX_MIN_INT8)) return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
+  if (g_a8 == A8_AMX && M >= AMX_MIN_ROWS) return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
   // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
