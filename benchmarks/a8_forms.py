@@ -1,7 +1,7 @@
 """The int8-activation kernels' forms against each other (benchmarks/results/a8-forms.json).
 
 `w8a8`, `w4a8`, `w8a16` and `w4a16` compute exact integer sums in one of four forms: AMX tiles
-(`tdpbssd`, from 12 rows with int8 panels and 16 with int4; VNNI below), AVX512-VNNI (`vpdpbusd`),
+(`tdpbssd`, from 16 rows in w8a8 and 12 in the others; VNNI below), AVX512-VNNI (`vpdpbusd`),
 AVX2 (`vpmaddubsw` + `vpmaddwd`, what a CPU without VNNI runs) and plain C++ (the reference the
 tests hold the others to). All give the same outputs bit for bit, so this times one thing:
 `default-e2e`'s 30 fused decode layers (weights from memory, not a warm cache: each layer runs

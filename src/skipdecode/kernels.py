@@ -124,7 +124,7 @@ def isa() -> str:
 
 def a8_form() -> str:
     """The form of the int8-activation kernels (``w8a8``, ``w4a8``, ``w8a16``, ``w4a16``) here:
-    ``amx`` where the CPU has AMX-INT8 (tiles for calls of several rows, VNNI below),
+    ``amx`` where the CPU has AMX-INT8 (tiles for calls of 12 or more rows, VNNI below),
     ``vnni`` where it has AVX512-VNNI, else ``avx2`` (vpmaddubsw/vpmaddwd, as llama.cpp's Q8_0 on
     AVX2 CPUs). ``SKIPDECODE_ISA=avx2`` forces ``avx2``; ``SKIPDECODE_AMX=0`` leaves AMX out. All
     give the same integer sums and outputs, bit for bit, as the plain C++ form the tests hold them to."""

@@ -1031,11 +1031,13 @@ void row_block_a8_avx2(int64_t R, const int8_t* xq, const int8_t* xl, const floa
 // scale, so every block's sums leave the tile (tilestored) and take the same fp32 steps, in the
 // same order, as micro_kernel_a8: the outputs are bitwise those of the VNNI, AVX2 and plain forms.
 // With few rows the tile unit's fixed cost per block (the loads, the product's latency, the store
-// of its sums) is not paid back: AMX runs from AMX_MIN_ROWS rows, where it beat VNNI in all four
-// dtypes on a Xeon with AMX (benchmarks/a8_forms.py); at 4 rows the two were even.
+// of its sums) is not paid back: AMX runs from 12 rows with two limbs or int4 panels and from 16
+// with int8 activations on int8 panels, where it beat VNNI in default-e2e's decode layers on a Xeon
+// with AMX (at 8 rows it was 0.89-0.99x VNNI's speed, at 12 rows 0.95x for w8a8 and 1.06-1.21x for
+// the others; benchmarks/a8_forms.py times the two).
 #define SD_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 constexpr int64_t AMX_ROWS = 16;  // rows of an A / C tile
-constexpr int64_t AMX_MIN_ROWS = 8;
+constexpr int64_t AMX_MIN_ROWS = 12, AMX_MIN_ROWS_W8A8 = 16;
 
 struct AmxConfig {  // the 64-byte operand of ldtilecfg (palette 1)
   uint8_t palette = 1, start = 0;
@@ -1097,8 +1099,12 @@ SD_AMX static inline void amx_b_block(const void* wv, int64_t k, uint8_t* buf) {
 #define SD_AMX_STORE(CQ, CL)                                 \
   _tile_stored(CQ, c, NR * 4);                               \
   if constexpr (A16) _tile_stored(CL, c + T, NR * 4);
+// next: the next panel's weights, pulled toward the caches a block at a time meanwhile (the panel's
+// B-tile form is made before its products run, so without this its reads and the products would
+// take turns instead of overlapping); null for none.
 template <int R, bool Q4, bool A16>
-SD_AMX void amx_rows(const QuantX& qx, int64_t m, const uint8_t* wb, const uint16_t* gs, float* acc, int32_t* cbuf) {
+SD_AMX void amx_rows(const QuantX& qx, int64_t m, const uint8_t* wb, const uint16_t* gs, float* acc, int32_t* cbuf,
+                     const char* next) {
   const int64_t K = qx.K, nb = qx.nb;
   const int8_t* xq = qx.q.data() + m * K;
   const int8_t* xl = A16 ? qx.ql.data() + m * K : nullptr;
@@ -1108,6 +1114,8 @@ SD_AMX void amx_rows(const QuantX& qx, int64_t m, const uint8_t* wb, const uint1
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b <= nb; ++b) {
     const int set = b & 1;
+    if (next && b < nb)  // block b of the next panel: 512 bytes (int8), 256 (int4)
+      for (int64_t i = 0; i < (Q4 ? 4 : 8); ++i) _mm_prefetch(next + b * (Q4 ? 256 : 512) + i * 64, _MM_HINT_T0);
     if (b < nb) {
       if (set == 0) {
         SD_AMX_ISSUE(4, 0, 1)
@@ -1164,11 +1172,12 @@ void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t
       const uint16_t* g = Q4 ? gs + p * (K / G4) * NR : nullptr;
       for (int64_t m = 0; m < M; m += h) {
         const int64_t mr = std::min(h, M - m);
+        const char* next = m == 0 && p + 1 < p1 ? static_cast<const char*>(w) + wstride : nullptr;
         switch (h / 4) {
-          case 4: amx_rows<16, Q4, A16>(qx, m, wbp, g, acc, cbuf); break;
-          case 3: amx_rows<12, Q4, A16>(qx, m, wbp, g, acc, cbuf); break;
-          case 2: amx_rows<8, Q4, A16>(qx, m, wbp, g, acc, cbuf); break;
-          default: amx_rows<4, Q4, A16>(qx, m, wbp, g, acc, cbuf);
+          case 4: amx_rows<16, Q4, A16>(qx, m, wbp, g, acc, cbuf, next); break;
+          case 3: amx_rows<12, Q4, A16>(qx, m, wbp, g, acc, cbuf, next); break;
+          case 2: amx_rows<8, Q4, A16>(qx, m, wbp, g, acc, cbuf, next); break;
+          default: amx_rows<4, Q4, A16>(qx, m, wbp, g, acc, cbuf, next);
         }
         store_rows(mr, acc, ya + m * n + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
                    ba ? ba + p * NR : nullptr, res ? res + m * n + p * NR : nullptr);
@@ -1195,7 +1204,8 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
                       const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   QuantX qx;
   quantize_rows(xa, M, K, qx, A16);
-  if (g_a8 == A8_AMX && M >= AMX_MIN_ROWS) return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
+  if (g_a8 == A8_AMX && M >= (Q4 || A16 ? AMX_MIN_ROWS : AMX_MIN_ROWS_W8A8))
+    return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
   // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
@@ -1762,7 +1772,7 @@ bool set_isa(bool avx512) {
   return prev;
 }
 
-// Which form the int8-activation kernels use: "amx" (AMX tiles from AMX_MIN_ROWS rows, VNNI below)
+// Which form the int8-activation kernels use: "amx" (AMX tiles from 12 or 16 rows, VNNI below)
 // or "vnni" (the caller checks the CPU's flags), "avx2" or "portable". Returns the previous setting.
 std::string set_a8(const std::string& form) {
   static const std::string names[] = {"portable", "avx2", "vnni", "amx"};  // indexed by A8Form
