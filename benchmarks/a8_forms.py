@@ -5,7 +5,7 @@
 AVX2 (`vpmaddubsw` + `vpmaddwd`, what a CPU without VNNI runs) and plain C++ (the reference the
 tests hold the others to). All give the same outputs bit for bit, so this times one thing:
 `default-e2e`'s 30 fused decode layers (weights from memory, not a warm cache: each layer runs
-once per pass) at 1, 8, 16 and 32 rows, in each form the CPU has (plain C++ at 1 and 8 rows
+once per pass) at 1, 8, 12, 16 and 32 rows, in each form the CPU has (plain C++ at 1 and 8 rows
 only: it is the reference, not a form anyone runs), best of 7 passes taken in turns (one pass
 of each form, then the next round), 2 threads.
 Run from the repository root: .venv/bin/python benchmarks/a8_forms.py [OUT.json]
@@ -56,7 +56,7 @@ def main() -> None:
         k = m.layers[0].kernels
         if k is None:
             raise SystemExit("the compiled kernels did not load; nothing to time")
-        for rows in (1, 8, 16, 32):
+        for rows in (1, 8, 12, 16, 32):
             run = [f for f in forms if f != "portable" or rows <= 8]
             best = dict.fromkeys(run, float("inf"))
             for rnd in range(8):  # round 0 warms up

@@ -1025,16 +1025,17 @@ void row_block_a8_avx2(int64_t R, const int8_t* xq, const int8_t* xl, const floa
 }
 
 // ---- AMX (Intel Sapphire Rapids and later): the same integer sums on the tile unit, for several rows.
-// One tdpbsud multiplies 16 rows of 32 signed activations by a 32 x 16 block of unsigned weights
-// (the VNNI panels above are already its B-tile layout: 4 k x 16 columns per 64-byte row) into
-// exact int32 sums, what 8 vpdpbusd per row compute. Each block of 32 k has its own activation
+// One tdpbssd multiplies up to 16 rows of 32 int8 activations by a 32 x 16 block of int8 weights
+// (the VNNI panels above are already its B-tile layout, 4 k x 16 columns per 64-byte row, once
+// their offset is taken back out: amx_b_block) into exact int32 sums, what 8 vpdpbusd per row
+// compute. Each block of 32 k has its own activation
 // scale, so every block's sums leave the tile (tilestored) and take the same fp32 steps, in the
 // same order, as micro_kernel_a8: the outputs are bitwise those of the VNNI, AVX2 and plain forms.
 // With few rows the tile unit's fixed cost per block (the loads, the product's latency, the store
 // of its sums) is not paid back: AMX runs from 12 rows with two limbs or int4 panels and from 16
 // with int8 activations on int8 panels, where it beat VNNI in default-e2e's decode layers on a Xeon
-// with AMX (at 8 rows it was 0.89-0.99x VNNI's speed, at 12 rows 0.95x for w8a8 and 1.06-1.21x for
-// the others; benchmarks/a8_forms.py times the two).
+// with AMX (benchmarks/a8_forms.py times the two; at 8 rows, and at 12 in w8a8, AMX was no faster
+// when these thresholds were chosen).
 #define SD_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 constexpr int64_t AMX_ROWS = 16;  // rows of an A / C tile
 constexpr int64_t AMX_MIN_ROWS = 12, AMX_MIN_ROWS_W8A8 = 16;
@@ -1147,8 +1148,8 @@ SD_AMX void amx_rows(const QuantX& qx, int64_t m, const uint8_t* wb, const uint1
 
 // linear_panels_a8 on AMX: panels split across threads, each configuring its tiles; a panel's
 // weights are put in B-tile form once (amx_b_block) for all its row blocks. The rows split into
-// the fewest blocks of at most 16, of equal height rounded up to 4 (8 rows: one tile of 8 rows,
-// not 16 with 8 of padding; 20 rows: two of 12).
+// the fewest blocks of at most 16, of equal height rounded up to 4 (12 rows: one tile of 12 rows,
+// not 16 with 4 of padding; 20 rows: two of 12).
 template <bool Q4, bool A16>
 void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
                        const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res,
