@@ -593,3 +593,25 @@ def test_a_build_killed_midway_does_not_hang_the_next_load(k):
     code = "from skipdecode import kernels; assert kernels.load() is not None"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_amx_refused_by_the_os_falls_back_to_vnni_with_a_warning(monkeypatch):
+    """Linux may refuse a process the AMX tile registers; the kernels then run the VNNI form, which
+    computes the same outputs, and say so once instead of failing to load."""
+    class Module:  # the two setters configure() calls on a built kernel module
+        def __init__(self):
+            self.a8 = []
+
+        def set_isa(self, avx512):
+            pass
+
+        def set_a8(self, form):
+            if form == "amx":
+                raise RuntimeError("skipdecode kernel: the OS did not grant this process the AMX tile registers")
+            self.a8.append(form)
+
+    monkeypatch.setattr(kernels, "a8_form", lambda: "amx")
+    module = Module()
+    with pytest.warns(UserWarning, match="AMX tile registers.*AVX512-VNNI"):
+        assert kernels.configure(module) is module
+    assert module.a8 == ["vnni"]
