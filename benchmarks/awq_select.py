@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from skipdecode.awq import apply_scales, linear_inputs
+from skipdecode.awq import fit
 from skipdecode.bench.dtype_parity import agreement
-from skipdecode.data import encode_example, load_task
 from skipdecode.evaluation.evaluate import evaluate
 from skipdecode.llm import LLM
 
@@ -31,9 +30,7 @@ SPEEDUPS = (1.0, 2.0, 3.0)
 def score(calibration: tuple[float, ...] | None, dtype: str) -> dict:
     llm = LLM.load("default-e2e", pack=False)
     if calibration:
-        rows = load_task("e2e-heldout").train[:64]
-        items = [encode_example(llm.tokenizer, r.prompt, r.target) for r in rows]
-        apply_scales(llm.model, linear_inputs(llm.model, items, [llm.make_schedule(speedup=s) for s in calibration]))
+        fit(llm, "e2e-heldout", 64, calibration)
     llm.model.pack_for_inference(True, weights=dtype)
     return evaluate("e2e", DATA, model="default-e2e", speedups=SPEEDUPS, split="select", llm=llm, dtype=dtype,
                     bertscore=False)

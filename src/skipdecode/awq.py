@@ -153,24 +153,31 @@ def _fold_into_norm(norm: torch.nn.Module, s: torch.Tensor) -> None:
         norm.bias.div_(s)
 
 
-def calibrate(model: str | os.PathLike, out: str | os.PathLike, task: str = "e2e-heldout", examples: int = 64,
-              speedups: Sequence[float] = (1.0, 2.0, 3.0), tokens_per_linear: int = 3072, seed: int = 0) -> Path:
-    """Fit the scales on ``examples`` training examples of ``task`` under the checkpoint's schedules
-    at ``speedups`` and write the scaled fp32 model to ``out`` (its ``skipdecode.json`` kept, the
-    fit recorded under ``awq``)."""
-    from .llm import LLM
-
-    llm = LLM.load(model, pack=False)
+def fit(llm, task: str = "e2e-heldout", examples: int = 64, speedups: Sequence[float] = (1.0, 2.0, 3.0),
+        tokens_per_linear: int = 3072, seed: int = 0) -> dict:
+    """Fit the scales of an unpacked ``LLM`` (``LLM.load(..., pack=False)``) on ``examples`` training
+    examples of ``task`` run under its schedules at ``speedups``, and fold them in (in place).
+    Returns the fit's record: its settings and one entry per linear."""
     net = llm.model
-    check_supported(net)
+    check_supported(net)  # before the expensive pass over the examples
     rows = load_task(task).train[:examples]
     if not rows:
         raise ModelError(f"{task} has no training examples to calibrate on")
     items = [encode_example(llm.tokenizer, r.prompt, r.target) for r in rows]
     schedules = [llm.make_schedule(speedup=float(sp)) for sp in speedups]
-    inputs = linear_inputs(net, items, schedules, tokens_per_linear, seed=seed)
-    records = apply_scales(net, inputs)
+    records = apply_scales(net, linear_inputs(net, items, schedules, tokens_per_linear, seed=seed))
+    return {"task": task, "examples": len(items), "speedups": list(map(float, speedups)),
+            "tokens_per_linear": tokens_per_linear, "seed": seed, "linears": records}
+
+
+def calibrate(model: str | os.PathLike, out: str | os.PathLike, task: str = "e2e-heldout", examples: int = 64,
+              speedups: Sequence[float] = (1.0, 2.0, 3.0), tokens_per_linear: int = 3072, seed: int = 0) -> Path:
+    """``fit`` on ``model`` and write the scaled fp32 model to ``out`` (its ``skipdecode.json``
+    kept, the fit recorded under ``awq``)."""
+    from .llm import LLM
+
+    llm = LLM.load(model, pack=False)
+    record = fit(llm, task, examples, speedups, tokens_per_linear, seed)
     meta = dict(llm.training)
-    meta["awq"] = {"source": str(model), "task": task, "examples": len(items), "speedups": list(map(float, speedups)),
-                   "tokens_per_linear": tokens_per_linear, "seed": seed, "linears": records}
-    return save_hf_model(net, llm.path, Path(out), meta)
+    meta["awq"] = {"source": str(model), **record}
+    return save_hf_model(llm.model, llm.path, Path(out), meta)

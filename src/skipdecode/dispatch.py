@@ -37,7 +37,7 @@ LIBRARY = {"float32": "onednn", "bfloat16": "onednn", "int8": "int8mm",  # the f
            "int4": "dense",  # int4 has no library form: without the kernels, dequantized bf16 on torch
            "w8a8": "dense", "w4a8": "dense",  # integer activations: the panels only (model.PackedLinear)
            "w8a16": "dense", "w4a16": "dense"}
-PANELS_ONLY = ("int4", "w8a8", "w4a8", "w8a16", "w4a16")  # dtypes the compiled panels alone run
+PANELS_ONLY = tuple(d for d, lib in LIBRARY.items() if lib == "dense")  # dtypes the compiled panels alone run
 # More than the last-level cache of most 2-32 core CPU slices, so timed weights come from memory.
 # Not all: some report more (an Intel Xeon in docs/results.md has a 300 MiB L3); there the timings
 # are of weights still in L3, as a small or quantized model's weights may also be when it runs.

@@ -846,8 +846,12 @@ SD_VNNI void row_block_a8(int64_t r, const int8_t* xq, const int8_t* xl, const f
                           bool last, float* y, int64_t N, int64_t ncols, const float* scale, const float* bias,
                           const float* res) {
   auto run = [&](auto rows) {
-    micro_kernel_a8<decltype(rows)::value, Q4, A16>(xq, xl, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols,
-                                                    scale, bias, res);
+    constexpr int R = decltype(rows)::value;
+    if constexpr (A16 && R > 8)  // two int32 sums a row: linear_panels_a8 gives two limbs at most 8 rows
+      check(false, "two-limb micro-kernels take at most 8 rows");
+    else
+      micro_kernel_a8<R, Q4, A16>(xq, xl, xs, xsum, K, nb, w, gs, kc, acc, first, last, y, N, ncols, scale, bias,
+                                  res);
   };
   switch (r) {
     case 12: return run(std::integral_constant<int, 12>());
