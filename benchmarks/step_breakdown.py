@@ -5,7 +5,7 @@ with wrappers around the model's decode call, its LM head and each fused layer c
 6 runs by step time. Parts of a step:
   engine       -- the engine's step around the model (scheduling, sampling, bookkeeping)
   python       -- the model's decode minus its layer calls and head (embedding, RoPE tables, the layer loop)
-  layer calls  -- the 30 fused layer calls (GEMMs, norms, RoPE, attention, SwiGLU, argument passing)
+  layer calls  -- the fused layers' one LayerStack call (GEMMs, norms, RoPE, attention, SwiGLU, argument passing)
   head         -- the final norm and LM head
 Run from the repository root: .venv/bin/python benchmarks/step_breakdown.py [OUT.json]
 """
@@ -35,8 +35,8 @@ def breakdown(dtype: str) -> dict:
     spent = {"decode": 0.0, "head": 0.0, "layers": 0.0}
     calls = {"decode": 0, "head": 0, "layers": 0}
     real_decode, real_head = net.decode, net.head
-    kernels = net.layers[0].kernels
-    if kernels is None or not all(b.fused_decode for b in net.layers):
+    stack = net._stack
+    if stack is None:
         raise SystemExit(f"{dtype}: the fused layer kernels are not in use here")
 
     def timed(name, f):
@@ -48,15 +48,11 @@ def breakdown(dtype: str) -> dict:
             return out
         return run
 
-    class Timed:  # the kernels with the fused layer call timed
-        decode_block = staticmethod(timed("layers", kernels.decode_block))
-
-        def __getattr__(self, name):
-            return getattr(kernels, name)
+    class Timed:  # the layer stack with its call timed
+        run = staticmethod(timed("layers", stack.run))
 
     net.decode, net.head = timed("decode", real_decode), timed("head", real_head)
-    for b in net.layers:
-        b.kernels = Timed()
+    net._stack = Timed()
     try:
         generate_tokens(net, ids, sched, 8, eos_token_ids=())
         best = None
@@ -72,8 +68,7 @@ def breakdown(dtype: str) -> dict:
                 best = per
     finally:
         del net.decode, net.head
-        for b in net.layers:
-            b.kernels = kernels
+        net._stack = stack
     ms = lambda s: round(s * 1000, 3)  # noqa: E731
     return {"dtype": dtype, "step_ms": ms(best["step"]), "engine_ms": ms(best["step"] - best["decode"]),
             "python_ms": ms(best["decode"] - best["layers"] - best["head"]), "layer_calls_ms": ms(best["layers"]),

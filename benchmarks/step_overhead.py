@@ -1,9 +1,10 @@
 """Python time around the kernels of a one-row decode step (benchmarks/results/step-overhead.json).
 
-The kernels are replaced by no-ops (each fused layer call returns its input,
-the LM head a fixed row), so what is timed is the Python a step runs around
-them: one fused layer call, and the runner's and model's whole decode step at
-batch 1 (step plan to logits), on `default-e2e` in w4a8. Best of 5 rounds.
+The kernels are replaced by no-ops (each fused layer call and the layer stack's
+call return their input, the LM head a fixed row), so what is timed is the
+Python a step runs around them: one fused layer call, and the runner's and
+model's whole decode step at batch 1 (step plan to logits), with the layers as
+one stack call and as one call per layer, on `default-e2e` in w4a8. Best of 5 rounds.
 Run from the repository root: .venv/bin/python benchmarks/step_overhead.py [OUT.json]
 (with PYTHONPATH=<another checkout>/src it times that checkout's code).
 """
@@ -58,8 +59,14 @@ def main() -> None:
         def __getattr__(self, name):
             return getattr(real, name)
 
+    class NoStack:  # the step's one layer-stack call returns its input
+        def run(self, x, *args):
+            return x
+
+    nk = NoKernels()
     for b in m.layers:
-        b.kernels = NoKernels()
+        b.kernels = nk
+    m._stack, m._stack_kernels = NoStack(), nk
     row = torch.zeros(1, 1, m.cfg.vocab_size)
     m.head = lambda x: row
     b = m.layers[0]
@@ -69,8 +76,11 @@ def main() -> None:
     with torch.inference_mode():
         layer = best_us(lambda: b.decode(x, rope, None, None, slots, None), n=20000)
         step = best_us(lambda: seen["runner"].decode(seen["plan"]))
+        m._stack = None
+        step_per_layer = best_us(lambda: seen["runner"].decode(seen["plan"]))
     out = {"model": "default-e2e", "dtype": "w4a8", "layers": m.n_layers, "rows": 1,
            "python_us_per_fused_layer_call": round(layer, 2), "python_us_per_decode_step": round(step, 1),
+           "python_us_per_decode_step_one_call_per_layer": round(step_per_layer, 1),
            "commit": subprocess.run(["git", "-C", str(Path(skipdecode.__file__).parent), "rev-parse", "--short",
                                      "HEAD"], capture_output=True, text=True).stdout.strip(),
            "machine": machine_info(),

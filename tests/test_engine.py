@@ -133,6 +133,15 @@ def test_each_layer_runs_on_exactly_the_rows_whose_layer_set_holds_it(deep):
     ran: list[int] = []
     for l, blk in enumerate(model.layers):
         blk.decode = (lambda f: lambda x, *a, **k: ran.append(x.shape[0]) or f(x, *a, **k))(blk.decode)
+    stack = model._stack
+
+    class Spy:  # a step as one layer-stack call: each layer's row count is in `counts`
+        def run(self, x, ids, counts, *a):
+            ran.extend(counts)
+            return stack.run(x, ids, counts, *a)
+
+    if stack is not None:
+        model._stack = Spy()
     try:
         eng = Engine(model, EngineConfig(kv_slots=512))
         for r, sp in enumerate([1, 2, 3, 5]):
@@ -146,6 +155,7 @@ def test_each_layer_runs_on_exactly_the_rows_whose_layer_set_holds_it(deep):
             eng.step()
             per_step.append(sum(ran))
     finally:
+        model._stack = stack
         for blk in model.layers:
             del blk.decode
     for p, work in zip(plans, per_step):

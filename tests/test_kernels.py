@@ -569,6 +569,121 @@ def test_fused_decode_layer_equals_the_layer_op_by_op(tiny_packed, tiny_reduced,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _stack_step(net, layer_rows_of, stacked: bool):
+    """One decode step of three rows of different lengths after a full-depth prefill, with the
+    model's layer stack on or off: (logits, pool)."""
+    cfg, L = net.cfg, net.n_layers
+    lengths, starts = [9, 4, 6], [0, 20, 40]
+    prompts = [torch.randint(3, 256, (n + 1,), generator=_gen(7 + n)) for n in lengths]
+    stack = net._stack
+    net._stack = stack if stacked else None
+    try:
+        pool = KVPool([64] * L, cfg.n_kv_heads, cfg.head_dim)
+        res = [Reservation([s] * L, [n + 1] * L) for s, n in zip(starts, lengths)]
+        for p, n, r in zip(prompts, lengths, res):
+            net(p[None, :n], torch.arange(n)[None], cache=RequestKV(pool, r), start=0)
+        slots = torch.stack([torch.tensor(starts), torch.tensor(lengths) + 1], 1)
+        with torch.inference_mode():
+            logits = net.decode(torch.stack([p[-1] for p in prompts]), torch.tensor(lengths),
+                                layer_rows_of(L, slots), pool.pools())
+        return logits, pool
+    finally:
+        net._stack = stack
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-int4", "llama-w4a8", "llama-w8a16"])
+@pytest.mark.parametrize("rows", ["all", "skip_first", "leading"])
+def test_a_decode_step_as_one_layer_stack_call_equals_one_call_per_layer(tiny_packed, tiny_reduced, arch, rows):
+    """The fused layers gathered in one LayerStack give a step bitwise the logits and keys/values
+    of one decode_block call per layer: every row in every layer, the first layer skipped, and
+    rows ordered by depth (upper layers on all three rows, lower ones on a leading block of 2
+    or 1, as skipping the lower layers gives), so the stack is what a step runs."""
+    net = tiny_reduced[arch[6:]] if arch.startswith("llama-") else tiny_packed[arch]
+    assert net._stack is not None and len(net._stack) == net.n_layers
+
+    def layer_rows(L, slots):
+        if rows == "all":
+            return [LayerRows(None, slots) for _ in range(L)]
+        if rows == "skip_first":
+            return [None] + [LayerRows(None, slots) for _ in range(1, L)]
+        n = [1 if l == 0 else 2 if l < L // 2 else 3 for l in range(L)]
+        return [LayerRows(None, slots) if m == 3 else LayerRows(m, slots[:m]) for m in n]
+
+    seen = []
+    real = net._stack.run
+
+    class Spy:  # the stack's run, recorded (a pybind object's method cannot be wrapped in place)
+        def run(self, *a):
+            seen.append(a[2])
+            return real(*a)
+
+        def __len__(self):
+            return net.n_layers
+
+    stack = net._stack
+    net._stack = Spy()
+    try:
+        got, got_pool = _stack_step(net, layer_rows, True)
+    finally:
+        net._stack = stack
+    want, want_pool = _stack_step(net, layer_rows, False)
+    L = net.n_layers
+    assert seen == [[1 if l == 0 else 2 if l < L // 2 else 3 for l in range(L)] if rows == "leading"
+                    else [3] * (L - (rows == "skip_first"))]
+    assert torch.equal(got, want)
+    for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_layers_on_any_subset_of_rows_other_kernels_or_unfused_run_one_call_each(tiny_packed):
+    """The stack runs a step only where each layer it runs takes all rows or a leading block of
+    them with the kernels the stack was built from; otherwise the step is one call per layer."""
+    net = tiny_packed["llama"]
+    L, R = net.n_layers, 3
+    slots = torch.zeros(R, 2, dtype=torch.long)
+    layers = list(net.layers)
+    every = [LayerRows(None, slots) for _ in range(L)]
+    assert net._stack_counts(layers, every, list(range(L)), R) == [R] * L
+    subset = every[:-1] + [LayerRows(torch.tensor([0, 2]), slots[[0, 2]])]
+    assert net._stack_counts(layers, subset, list(range(L)), R) is None
+    b = net.layers[1]
+    try:
+        b.fused_decode = False
+        assert net._stack_counts(layers, every, list(range(L)), R) is None
+        b.fused_decode = True
+        real = b.kernels
+        b.kernels = type("OtherKernels", (), {})()
+        assert net._stack_counts(layers, every, list(range(L)), R) is None
+        b.kernels = real
+        assert net._stack_counts(layers, every, list(range(L)), R) == [R] * L
+    finally:
+        b.fused_decode, b.kernels = True, net._stack_kernels
+
+
+@needs_kernels
+def test_layer_stack_refuses_arguments_that_do_not_fit_its_layers(tiny_packed):
+    net = tiny_packed["llama"]
+    cfg = net.cfg
+    st = net._stack
+    x = torch.randn(2, 1, cfg.dim)
+    kp, vp = torch.zeros(cfg.n_kv_heads, 8, cfg.head_dim), torch.zeros(cfg.n_kv_heads, 8, cfg.head_dim)
+    rows = torch.tensor([[0, 1], [4, 1]])
+    cos, sin = torch.ones(2, 1, 1, cfg.head_dim), torch.zeros(2, 1, 1, cfg.head_dim)
+    assert st.run(x, [0], [2], [kp], [vp], [rows], cos, sin).shape == x.shape
+    with pytest.raises(RuntimeError, match="one row count, key pool, value pool and rows tensor per layer"):
+        st.run(x, [0, 1], [2], [kp], [vp], [rows], cos, sin)
+    with pytest.raises(RuntimeError, match="row count must be 1 to the rows of x"):
+        st.run(x, [0], [3], [kp], [vp], [rows], cos, sin)
+    with pytest.raises(RuntimeError, match="layer index outside the stack"):
+        st.run(x, [len(st)], [2], [kp], [vp], [rows], cos, sin)
+    with pytest.raises(RuntimeError, match="row slots outside the KV pool"):
+        st.run(x, [0], [2], [kp], [vp], [torch.tensor([[0, 1], [8, 1]])], cos, sin)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        st.run(x, [0], [2], [kp[:1]], [vp[:1]], [rows], cos, sin)
+
+
 def test_kernels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SKIPDECODE_KERNELS", "0")
     kernels.load.cache_clear()
@@ -576,6 +691,20 @@ def test_kernels_can_be_turned_off(monkeypatch):
         assert kernels.load() is None
     finally:
         monkeypatch.delenv("SKIPDECODE_KERNELS")
+        kernels.load.cache_clear()
+
+
+@needs_kernels
+def test_the_kernels_load_again_in_the_same_process(k):
+    """Loading the built module a second time in one process (after turning the kernels off, or a
+    second build beside the first) gives working kernels, layer stack included: pybind types it
+    registers are the module's own, so the second load does not fail on the first's."""
+    kernels.load.cache_clear()
+    try:
+        again = kernels.load()
+        assert again is not None
+        assert len(again.LayerStack()) == 0
+    finally:
         kernels.load.cache_clear()
 
 

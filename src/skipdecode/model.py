@@ -465,6 +465,9 @@ class Transformer(nn.Module):
         self.draft_vocab = cfg.vocab_size  # token ids a lossless draft scores (see draft_logits)
         self.draft_head: nn.Module | None = None
         self._head_rows: torch.Tensor | None = None  # the dense LM head, for a draft's extra token ids
+        self._stack = self._stack_kernels = None  # the fused layers as one kernel call (build_layer_stack)
+        self._stack_plan: tuple[bool, ...] = ()  # per row-count bucket: every layer fuses
+        self._stack_layers: tuple = ()  # the blocks the stack was built from, in order
 
     @property
     def n_layers(self) -> int:
@@ -512,7 +515,26 @@ class Transformer(nn.Module):
             block._fuse()
         self.kernels = k
         self.weights = weights
+        self.build_layer_stack()
         return self
+
+    def build_layer_stack(self) -> None:
+        """Gather the fused layers' fixed arguments into one ``kernels.LayerStack`` (from the
+        layers' own kernels, which must be one module), so that a decode step whose rows all run
+        the same layers is one kernel call: per layer, a separate call costs its Python and its
+        arguments' conversion again each step. Called by ``pack_for_inference``; call it again
+        after giving the layers other kernels or weights."""
+        self._stack = self._stack_kernels = None
+        self._stack_plan, self._stack_layers = (), ()
+        k = self.layers[0].kernels if len(self.layers) else None
+        if k is None or not hasattr(k, "LayerStack") or not all(b.fused_decode and b.kernels is k for b in self.layers):
+            return
+        stack = k.LayerStack()
+        for b in self.layers:
+            weights, heads, scales = b._fused_args
+            stack.add(*weights, *heads, *scales)
+        self._stack, self._stack_kernels, self._stack_layers = stack, k, tuple(self.layers)
+        self._stack_plan = tuple(all(p) for p in zip(*(b.fuse_plan for b in self.layers)))
 
     def set_draft_vocab(self, n: int) -> None:
         """Score lossless drafts over the first ``n`` token ids only (all of them when ``n`` >= the vocabulary)."""
@@ -606,6 +628,11 @@ class Transformer(nn.Module):
         runs = [l for l, lr in enumerate(layer_rows) if lr is not None]
         layers = list(self.layers)  # one pass over the ModuleList, not an indexed lookup per layer
         every = dispatch.bucket(x.shape[0])  # the kernel forms of a layer that runs every row
+        counts = self._stack_counts(layers, layer_rows, runs, x.shape[0])
+        if counts is not None:  # each layer on all rows or a leading block of them: one kernel call
+            x = self._stack.run(x, runs, counts, [pools[l][0] for l in runs], [pools[l][1] for l in runs],
+                                [layer_rows[l].slots for l in runs], rope[0], rope[1])
+            runs = []
         for i, l in enumerate(runs):
             lr = layer_rows[l]
             nxt = pools[runs[i + 1]] if i + 1 < len(runs) else None
@@ -630,6 +657,28 @@ class Transformer(nn.Module):
             out[full] = self.lm_head(h[full]).float()[:, 0]
         out[rows] = self.draft_logits(h[rows], [drafts[r] for r in rows])
         return out
+
+    def _stack_counts(self, layers: list, layer_rows: Sequence["LayerRows | None"], runs: list[int],
+                      R: int) -> list[int] | None:
+        """Each run layer's row count when the step runs as one ``LayerStack`` call, else None: the
+        stack exists and its layers are these, each run layer runs all ``R`` rows or a leading
+        block of them, fuses at that row count and still has the kernels the stack was built
+        from (a layer given other kernels, or unfused, runs on its own, as does a step with a
+        layer on any other subset of rows)."""
+        if self._stack is None or not runs or len(layers) != len(self._stack_layers):
+            return None
+        k, built, plan = self._stack_kernels, self._stack_layers, self._stack_plan
+        counts = []
+        for l in runs:
+            n = layer_rows[l].rows
+            n = R if n is None else n
+            if (not isinstance(n, int) or layers[l] is not built[l] or not layers[l].fused_decode
+                    or layers[l].kernels is not k):
+                return None
+            counts.append(n)
+        if not all(plan[dispatch.bucket(n)] for n in set(counts)):
+            return None
+        return counts
 
     def draft_logits(self, h: torch.Tensor, extra: Sequence[torch.Tensor]) -> torch.Tensor:
         """Logits ``(R, vocab)`` of lossless drafts from final hidden states ``(R, 1, dim)``:

@@ -176,12 +176,13 @@ static inline int32_t nibble_mask(int j) { return static_cast<int32_t>(0xFu << (
 // 8 * (sum of its x under nibbles 0-6) per group (row stride ldsx), w the block's first 8-k word
 // block ([kc / 8, 16] words), s its first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple
 // of G4. The running sums live in acc between groups, so only the group's U x R accumulator pairs
-// stay in registers (U sets take alternate k to keep enough FMA chains in flight).
+// stay in registers (U sets take alternate k to keep enough FMA chains in flight: at one row, four
+// sets, since two left the AVX-512 form bound by the FMA latency rather than its ports).
 template <int R>
 static inline void micro_kernel_q4(const float* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* w,
                                    const uint16_t* s, int64_t kc, float* acc, bool first, bool last, float* y,
                                    int64_t ldy, int64_t ncols, const float* bias, const float* res) {
-  constexpr int U = R <= 3 ? 2 : 1;
+  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m256 t0[U][R], t1[U][R];
     for (int u = 0; u < U; ++u)
@@ -304,7 +305,7 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
                                                  const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
                                                  bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                                  const float* bias, const float* res) {
-  constexpr int U = R <= 3 ? 2 : 1;
+  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
     __m512 t[U][R];
     for (int u = 0; u < U; ++u)
@@ -1678,36 +1679,59 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // next_k/next_v: the pool of the layer that runs next, whose slots of these
 // rows are prefetched during the gate/up GEMM. Returns the new hidden state;
 // x is not modified.
-torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
-                           double eps, const torch::Tensor& wqkv, const c10::optional<torch::Tensor>& bqkv,
-                           const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& w13,
-                           const c10::optional<torch::Tensor>& b13, const torch::Tensor& w2,
-                           const c10::optional<torch::Tensor>& b2, torch::Tensor kpool, torch::Tensor vpool,
-                           const torch::Tensor& rows, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                           double scale, const c10::optional<torch::Tensor>& next_k,
-                           const c10::optional<torch::Tensor>& next_v, const c10::optional<torch::Tensor>& sqkv,
-                           const c10::optional<torch::Tensor>& so, const c10::optional<torch::Tensor>& s13,
-                           const c10::optional<torch::Tensor>& s2, int64_t a8) {
-  check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
+// One fused layer's fixed arguments: its norms' weights, its four linears' panels, biases and
+// scales, its query heads and attention scale, and how its linears take their activations.
+struct FusedLayer {
+  torch::Tensor attn_norm, mlp_norm;
+  double eps;
+  torch::Tensor wqkv;
+  c10::optional<torch::Tensor> bqkv;
+  torch::Tensor wo;
+  c10::optional<torch::Tensor> bo;
+  torch::Tensor w13;
+  c10::optional<torch::Tensor> b13;
+  torch::Tensor w2;
+  c10::optional<torch::Tensor> b2;
+  int64_t H;
+  double scale;
+  c10::optional<torch::Tensor> sqkv, so, s13, s2;
+  int64_t a8;
+};
+
+void check_pool(const torch::Tensor& kpool, const torch::Tensor& vpool) {
   check(kpool.dim() == 3 && kpool.sizes() == vpool.sizes() && kpool.is_contiguous() && vpool.is_contiguous() &&
         kpool.scalar_type() == torch::kFloat && vpool.scalar_type() == torch::kFloat,
         "KV pool must be contiguous float32 [kv_heads, slots, head_dim]");
-  const int64_t B = x.size(0), D = x.size(2), KVH = kpool.size(0), slots = kpool.size(1), hd = kpool.size(2);
-  check_rows(rows, B, slots);
-  const int64_t nqkv = (H + 2 * KVH) * hd, I = w2.size(1) * (w2.scalar_type() == torch::kByte ? 2 : 1);
-  check_packed(wqkv, D, nqkv, bqkv, sqkv);
-  check_packed(wo, H * hd, D, bo, so);
-  check_packed(w13, D, 2 * I, b13, s13);
-  check_packed(w2, I, D, b2, s2);
-  check_a8(wqkv, D, a8);
-  check_a8(wo, H * hd, a8);
-  check_a8(w13, D, a8);
-  check_a8(w2, I, a8);
+}
+
+// The layer's weights against the hidden size D and its pool's KV heads and head size.
+void check_layer(const FusedLayer& L, int64_t D, int64_t KVH, int64_t hd) {
+  const int64_t nqkv = (L.H + 2 * KVH) * hd, I = L.w2.size(1) * (L.w2.scalar_type() == torch::kByte ? 2 : 1);
+  check_packed(L.wqkv, D, nqkv, L.bqkv, L.sqkv);
+  check_packed(L.wo, L.H * hd, D, L.bo, L.so);
+  check_packed(L.w13, D, 2 * I, L.b13, L.s13);
+  check_packed(L.w2, I, D, L.b2, L.s2);
+  check_a8(L.wqkv, D, L.a8);
+  check_a8(L.wo, L.H * hd, L.a8);
+  check_a8(L.w13, D, L.a8);
+  check_a8(L.w2, I, L.a8);
+  check(L.attn_norm.numel() == D && L.mlp_norm.numel() == D && L.attn_norm.scalar_type() == torch::kFloat &&
+        L.mlp_norm.scalar_type() == torch::kFloat && L.attn_norm.is_contiguous() && L.mlp_norm.is_contiguous(),
+        "norm weights must be contiguous float32 of the hidden size");
+}
+
+// The layer on the residual stream ha [B, D] in place (checked by the caller): this position's
+// keys and values go to each row's last slot of its pool (rows [B, 2]: start, length); cc / sc
+// are the RoPE tables [B, hd]; next_k / next_v, the next layer's pool, are pulled toward the
+// caches during the largest GEMM.
+void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Tensor& kpool, torch::Tensor& vpool,
+                const int64_t* ra, const float* cc, const float* sc, const torch::Tensor* next_k,
+                const torch::Tensor* next_v) {
+  const int64_t H = L.H, KVH = kpool.size(0), slots = kpool.size(1), hd = kpool.size(2);
+  const int64_t nqkv = (H + 2 * KVH) * hd, I = L.w2.size(1) * (L.w2.scalar_type() == torch::kByte ? 2 : 1);
+  const int64_t a8 = L.a8;
   const float* nul = nullptr;
   auto bp = [&](const c10::optional<torch::Tensor>& b) { return b.has_value() ? b->data_ptr<float>() : nul; };
-  const int64_t* ra = rows.data_ptr<int64_t>();
-
-  auto h = x.contiguous().clone();  // the residual stream, updated in place below, and the result
   // Every intermediate lives in one scratch buffer kept between calls rather than a tensor of
   // its own: a dozen fewer allocations and dispatches per layer and step.
   const int64_t NQ = H + 2 * KVH;
@@ -1720,16 +1744,11 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   float* att = qs + n_att;      // [B, H * hd]
   float* gu = att + n_att;      // [B, 2 I]
   float* act = gu + n_gu;       // [B, I]
-  float* ha = h.data_ptr<float>();
-  check(attn_norm.numel() == D && mlp_norm.numel() == D && attn_norm.scalar_type() == torch::kFloat &&
-        mlp_norm.scalar_type() == torch::kFloat, "norm weights must be float32 of the hidden size");
-  const auto anw_t = attn_norm.contiguous(), mnw_t = mlp_norm.contiguous();
-  const float* anw = anw_t.data_ptr<float>();
-  const float* mnw = mnw_t.data_ptr<float>();
-  const auto cc = cos.expand({B, 1, 1, hd}).contiguous(), sc = sin.expand({B, 1, 1, hd}).contiguous();
-  rms_norm_rows(ha, B, D, anw, float(eps), nrm);
-  linear_into(nrm, B, wqkv, sqkv, bp(bqkv), nqkv, qkv, nullptr, a8);
-  rope_rows(qkv, B, 1, H + KVH, hd, NQ * hd, NQ * hd, hd, cc.data_ptr<float>(), sc.data_ptr<float>());
+  const float* anw = L.attn_norm.data_ptr<float>();
+  const float* mnw = L.mlp_norm.data_ptr<float>();
+  rms_norm_rows(ha, B, D, anw, float(L.eps), nrm);
+  linear_into(nrm, B, L.wqkv, L.sqkv, bp(L.bqkv), nqkv, qkv, nullptr, a8);
+  rope_rows(qkv, B, 1, H + KVH, hd, NQ * hd, NQ * hd, hd, cc, sc);
   float* ka = kpool.data_ptr<float>();
   float* va = vpool.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {  // this position's keys and values into each row's last slot
@@ -1743,11 +1762,11 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
     }
   }
   KVView kv{ka, va, 0, slots * hd, hd, 0, slots * hd, hd, ra};
-  attend(qs, B, H, hd, KVH, kv, nullptr, float(scale), att);
-  linear_into(att, B, wo, so, bp(bo), D, ha, ha, a8);
-  rms_norm_rows(ha, B, D, mnw, float(eps), nrm);
+  attend(qs, B, H, hd, KVH, kv, nullptr, float(L.scale), att);
+  linear_into(att, B, L.wo, L.so, bp(L.bo), D, ha, ha, a8);
+  rms_norm_rows(ha, B, D, mnw, float(L.eps), nrm);
   Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
-  if (next_k.has_value() && next_v.has_value()) {
+  if (next_k && next_v) {
     const auto& nk = *next_k;
     const auto& nv = *next_v;
     check(nk.dim() == 3 && nk.sizes() == nv.sizes() && nk.size(0) == KVH && nk.size(2) == hd && nk.is_contiguous() &&
@@ -1763,11 +1782,95 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
       }
     }
   }
-  linear_into(nrm, B, w13, s13, bp(b13), 2 * I, gu, nullptr, a8, pf);
+  linear_into(nrm, B, L.w13, L.s13, bp(L.b13), 2 * I, gu, nullptr, a8, pf);
   silu_mul_rows(gu, B, I, act);
-  linear_into(act, B, w2, s2, bp(b2), D, ha, ha, a8);
+  linear_into(act, B, L.w2, L.s2, bp(L.b2), D, ha, ha, a8);
+}
+
+void check_decode_input(const torch::Tensor& x) {
+  check(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(1) == 1, "decode_block takes [B, 1, D] float32");
+}
+
+// The RoPE tables of B rows, [B, hd] contiguous (cos / sin come as [B or 1, 1, 1, hd]).
+torch::Tensor rope_table(const torch::Tensor& t, int64_t B, int64_t hd) {
+  return t.expand({B, 1, 1, hd}).contiguous();
+}
+
+torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
+                           double eps, const torch::Tensor& wqkv, const c10::optional<torch::Tensor>& bqkv,
+                           const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& w13,
+                           const c10::optional<torch::Tensor>& b13, const torch::Tensor& w2,
+                           const c10::optional<torch::Tensor>& b2, torch::Tensor kpool, torch::Tensor vpool,
+                           const torch::Tensor& rows, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
+                           double scale, const c10::optional<torch::Tensor>& next_k,
+                           const c10::optional<torch::Tensor>& next_v, const c10::optional<torch::Tensor>& sqkv,
+                           const c10::optional<torch::Tensor>& so, const c10::optional<torch::Tensor>& s13,
+                           const c10::optional<torch::Tensor>& s2, int64_t a8) {
+  check_decode_input(x);
+  check_pool(kpool, vpool);
+  const int64_t B = x.size(0), D = x.size(2), KVH = kpool.size(0), hd = kpool.size(2);
+  check_rows(rows, B, kpool.size(1));
+  const FusedLayer L{attn_norm.contiguous(), mlp_norm.contiguous(), eps, wqkv, bqkv, wo, bo, w13, b13, w2, b2, H,
+                     scale, sqkv, so, s13, s2, a8};
+  check_layer(L, D, KVH, hd);
+  auto h = x.contiguous().clone();  // the residual stream, updated in place, and the result
+  const auto cc = rope_table(cos, B, hd), sc = rope_table(sin, B, hd);
+  const bool nx = next_k.has_value() && next_v.has_value();
+  layer_into(h.data_ptr<float>(), B, D, L, kpool, vpool, rows.data_ptr<int64_t>(), cc.data_ptr<float>(),
+             sc.data_ptr<float>(), nx ? &*next_k : nullptr, nx ? &*next_v : nullptr);
   return h;
 }
+
+// A model's fused layers, their fixed arguments gathered once (add, in layer order), so that a
+// decode step whose every row runs the same layers is one call (run) rather than one per layer:
+// the arguments of 30 calls are not converted again each step, nor the RoPE tables expanded, nor
+// the residual stream copied, per layer. Each layer is decode_block's, with the same checks.
+struct LayerStack {
+  std::vector<FusedLayer> layers;
+
+  void add(const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm, double eps, const torch::Tensor& wqkv,
+           const c10::optional<torch::Tensor>& bqkv, const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo,
+           const torch::Tensor& w13, const c10::optional<torch::Tensor>& b13, const torch::Tensor& w2,
+           const c10::optional<torch::Tensor>& b2, int64_t H, double scale,
+           const c10::optional<torch::Tensor>& sqkv, const c10::optional<torch::Tensor>& so,
+           const c10::optional<torch::Tensor>& s13, const c10::optional<torch::Tensor>& s2, int64_t a8) {
+    layers.push_back(FusedLayer{attn_norm.contiguous(), mlp_norm.contiguous(), eps, wqkv, bqkv, wo, bo, w13, b13, w2,
+                                b2, H, scale, sqkv, so, s13, s2, a8});
+  }
+
+  // x [B, 1, D] through layers ids[0], ids[1], ... in turn: layer ids[i] runs the leading
+  // counts[i] rows (rows ordered by depth; a row that skips it carries its hidden state) on its
+  // pool kpools[i] / vpools[i] with their slots rows[i] ([counts[i], 2]); returns the new residual stream.
+  torch::Tensor run(const torch::Tensor& x, const std::vector<int64_t>& ids, const std::vector<int64_t>& counts,
+                    std::vector<torch::Tensor> kpools, std::vector<torch::Tensor> vpools,
+                    const std::vector<torch::Tensor>& rows, const torch::Tensor& cos, const torch::Tensor& sin) {
+    check_decode_input(x);
+    const size_t n = ids.size();
+    check(counts.size() == n && kpools.size() == n && vpools.size() == n && rows.size() == n,
+          "run takes one row count, key pool, value pool and rows tensor per layer it runs");
+    const int64_t B = x.size(0), D = x.size(2);
+    auto h = x.contiguous().clone();
+    if (n == 0) return h;
+    for (size_t i = 0; i < n; ++i) {
+      check(ids[i] >= 0 && ids[i] < static_cast<int64_t>(layers.size()), "layer index outside the stack");
+      check(counts[i] >= 1 && counts[i] <= B, "a layer's row count must be 1 to the rows of x");
+      check_pool(kpools[i], vpools[i]);
+      check(kpools[i].size(2) == kpools[0].size(2), "every layer's pool has the same head size");
+      check_rows(rows[i], counts[i], kpools[i].size(1));
+      check_layer(layers[ids[i]], D, kpools[i].size(0), kpools[i].size(2));
+    }
+    const int64_t hd = kpools[0].size(2);
+    const auto cc = rope_table(cos, B, hd), sc = rope_table(sin, B, hd);
+    float* ha = h.data_ptr<float>();
+    for (size_t i = 0; i < n; ++i) {
+      const bool nx = i + 1 < n;
+      layer_into(ha, counts[i], D, layers[ids[i]], kpools[i], vpools[i], rows[i].data_ptr<int64_t>(),
+                 cc.data_ptr<float>(), sc.data_ptr<float>(), nx ? &kpools[i + 1] : nullptr,
+                 nx ? &vpools[i + 1] : nullptr);
+    }
+    return h;
+  }
+};
 
 // Which form of the panel micro-kernels runs: AVX-512 where the CPU has it (the caller checks
 // its flags), AVX2 + FMA otherwise. Returns the previous setting.
@@ -1806,4 +1909,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vpool"), py::arg("rows"), py::arg("cos"), py::arg("sin"), py::arg("H"), py::arg("scale"),
         py::arg("next_k") = py::none(), py::arg("next_v") = py::none(), py::arg("sqkv") = py::none(),
         py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none(), py::arg("a8") = 0);
+  // module_local: each build of these kernels (another source, another cache directory) loaded in one
+  // process registers its own LayerStack type rather than failing on the first one's
+  py::class_<LayerStack>(m, "LayerStack", py::module_local(),
+                         "a model's fused layers, one call per decode step (decode_block's layers)")
+      .def(py::init<>())
+      .def("add", &LayerStack::add, "append a layer (decode_block's fixed arguments)", py::arg("attn_norm"),
+           py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"), py::arg("wo"), py::arg("bo"),
+           py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("H"), py::arg("scale"),
+           py::arg("sqkv") = py::none(), py::arg("so") = py::none(), py::arg("s13") = py::none(),
+           py::arg("s2") = py::none(), py::arg("a8") = 0)
+      .def("run", &LayerStack::run, "x through the given layers, each on its leading rows, pool and slots",
+           py::arg("x"), py::arg("ids"), py::arg("counts"), py::arg("kpools"), py::arg("vpools"), py::arg("rows"),
+           py::arg("cos"), py::arg("sin"))
+      .def("__len__", [](const LayerStack& s) { return s.layers.size(); });
 }
