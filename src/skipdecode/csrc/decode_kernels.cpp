@@ -1671,14 +1671,6 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
-// One pre-norm Llama-family layer (RMSNorm, RoPE, GQA, SwiGLU) for one decode
-// position per row, in one call instead of ~25 dispatched ops, with the
-// residual adds done by the output GEMMs. x [B, 1, D]; the layer's KV pool is
-// [KVH, slots, hd] and row b owns slots rows[b, 0] .. rows[b, 0] + rows[b, 1] - 1:
-// its new key/value goes to the last of them and attention reads all of them.
-// next_k/next_v: the pool of the layer that runs next, whose slots of these
-// rows are prefetched during the gate/up GEMM. Returns the new hidden state;
-// x is not modified.
 // One fused layer's fixed arguments: its norms' weights, its four linears' panels, biases and
 // scales, its query heads and attention scale, and how its linears take their activations.
 struct FusedLayer {
@@ -1796,6 +1788,14 @@ torch::Tensor rope_table(const torch::Tensor& t, int64_t B, int64_t hd) {
   return t.expand({B, 1, 1, hd}).contiguous();
 }
 
+// One pre-norm Llama-family layer (RMSNorm, RoPE, GQA, SwiGLU) for one decode
+// position per row, in one call instead of ~25 dispatched ops, with the
+// residual adds done by the output GEMMs. x [B, 1, D]; the layer's KV pool is
+// [KVH, slots, hd] and row b owns slots rows[b, 0] .. rows[b, 0] + rows[b, 1] - 1:
+// its new key/value goes to the last of them and attention reads all of them.
+// next_k/next_v: the pool of the layer that runs next, whose slots of these
+// rows are prefetched during the gate/up GEMM. Returns the new hidden state;
+// x is not modified.
 torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
                            double eps, const torch::Tensor& wqkv, const c10::optional<torch::Tensor>& bqkv,
                            const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& w13,
