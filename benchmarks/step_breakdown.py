@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes, per weight dtype (benchmarks/results/step-breakdown.json).
 
 A 64-token greedy decode of one E2E prompt on ``default-e2e`` at full depth, timed from Python
-with wrappers around the model's decode call, its LM head and each fused layer call. Best of
+with wrappers around the model's decode call, its LM head and its layer stack's call. Best of
 6 runs by step time. Parts of a step:
   engine       -- the engine's step around the model (scheduling, sampling, bookkeeping)
   python       -- the model's decode minus its layer calls and head (embedding, RoPE tables, the layer loop)
