@@ -601,14 +601,15 @@ def test_a_decode_step_as_one_layer_stack_call_equals_one_call_per_layer(tiny_pa
     or 1, as skipping the lower layers gives), so the stack is what a step runs."""
     net = tiny_reduced[arch[6:]] if arch.startswith("llama-") else tiny_packed[arch]
     assert net._stack is not None and len(net._stack) == net.n_layers
+    L = net.n_layers
+    leading = [1 if l == 0 else 2 if l < L // 2 else 3 for l in range(L)]  # rows of each layer, "leading"
 
     def layer_rows(L, slots):
         if rows == "all":
             return [LayerRows(None, slots) for _ in range(L)]
         if rows == "skip_first":
             return [None] + [LayerRows(None, slots) for _ in range(1, L)]
-        n = [1 if l == 0 else 2 if l < L // 2 else 3 for l in range(L)]
-        return [LayerRows(None, slots) if m == 3 else LayerRows(m, slots[:m]) for m in n]
+        return [LayerRows(None, slots) if m == 3 else LayerRows(m, slots[:m]) for m in leading]
 
     seen = []
     real = net._stack.run
@@ -618,9 +619,6 @@ def test_a_decode_step_as_one_layer_stack_call_equals_one_call_per_layer(tiny_pa
             seen.append(a[2])
             return real(*a)
 
-        def __len__(self):
-            return net.n_layers
-
     stack = net._stack
     net._stack = Spy()
     try:
@@ -628,9 +626,7 @@ def test_a_decode_step_as_one_layer_stack_call_equals_one_call_per_layer(tiny_pa
     finally:
         net._stack = stack
     want, want_pool = _stack_step(net, layer_rows, False)
-    L = net.n_layers
-    assert seen == [[1 if l == 0 else 2 if l < L // 2 else 3 for l in range(L)] if rows == "leading"
-                    else [3] * (L - (rows == "skip_first"))]
+    assert seen == [leading if rows == "leading" else [3] * (L - (rows == "skip_first"))]
     assert torch.equal(got, want)
     for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v):
         assert torch.equal(a, b)
