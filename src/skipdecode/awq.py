@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -46,22 +46,20 @@ def check_supported(net: Transformer) -> None:
             raise ModelError(f"int4 rounds groups of 32 inputs; the {name} {k} is not a multiple of 32")
 
 
-def linear_inputs(net: Transformer, items: Sequence[tuple[list[int], list[int]]], schedules: Sequence,
-                  tokens_per_linear: int = 3072, batch_size: int = 16, seed: int = 0
-                  ) -> dict[tuple[int, str], torch.Tensor]:
-    """Per ``(layer, linear)``: up to ``tokens_per_linear`` input rows, drawn from teacher-forced
-    passes over ``items`` under each schedule (the positions a schedule skips at a layer never
-    reach it; padding is left out)."""
+def each_linear_input(net: Transformer, items: Sequence[tuple[list[int], list[int]]], schedules: Sequence,
+                      visit: Callable[[tuple[int, str], torch.Tensor], None], batch_size: int = 16) -> None:
+    """Teacher-forced passes over ``items`` under each schedule, calling ``visit((layer, linear),
+    rows)`` with the fp32 input rows each block linear receives (the positions a schedule skips at
+    a layer never reach it; padding is left out)."""
     from .training.batch import make_batch
 
-    rows: dict[tuple[int, str], list[torch.Tensor]] = {}
     valid: dict[str, torch.Tensor] = {}
     hooks = []
     for li, block in enumerate(net.layers):
         for name in LINEARS:
             def keep(_mod, inp, _out, key=(li, name)):
                 x = inp[0].detach().float()
-                rows.setdefault(key, []).append(x[valid["mask"][:, : x.shape[1]]])
+                visit(key, x[valid["mask"][:, : x.shape[1]]])
             hooks.append(getattr(block, name).register_forward_hook(keep))
     try:
         with torch.no_grad():
@@ -73,6 +71,15 @@ def linear_inputs(net: Transformer, items: Sequence[tuple[list[int], list[int]]]
     finally:
         for h in hooks:
             h.remove()
+
+
+def linear_inputs(net: Transformer, items: Sequence[tuple[list[int], list[int]]], schedules: Sequence,
+                  tokens_per_linear: int = 3072, batch_size: int = 16, seed: int = 0
+                  ) -> dict[tuple[int, str], torch.Tensor]:
+    """Per ``(layer, linear)``: up to ``tokens_per_linear`` input rows, drawn from teacher-forced
+    passes over ``items`` under each schedule (``each_linear_input``)."""
+    rows: dict[tuple[int, str], list[torch.Tensor]] = {}
+    each_linear_input(net, items, schedules, lambda key, x: rows.setdefault(key, []).append(x), batch_size)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for key, parts in rows.items():
@@ -153,6 +160,16 @@ def _fold_into_norm(norm: torch.nn.Module, s: torch.Tensor) -> None:
         norm.bias.div_(s)
 
 
+def calibration_set(llm, task: str, examples: int, speedups: Sequence[float]) -> tuple[list, list]:
+    """``examples`` training examples of ``task`` (token ids of prompt and target) and ``llm``'s
+    schedules at ``speedups``: what the scales and GPTQ are fitted on."""
+    rows = load_task(task).train[:examples]
+    if not rows:
+        raise ModelError(f"{task} has no training examples to calibrate on")
+    items = [encode_example(llm.tokenizer, r.prompt, r.target) for r in rows]
+    return items, [llm.make_schedule(speedup=float(sp)) for sp in speedups]
+
+
 def fit(llm, task: str = "e2e-heldout", examples: int = 64, speedups: Sequence[float] = (1.0, 2.0, 3.0),
         tokens_per_linear: int = 3072, seed: int = 0) -> dict:
     """Fit the scales of an unpacked ``LLM`` (``LLM.load(..., pack=False)``) on ``examples`` training
@@ -160,24 +177,34 @@ def fit(llm, task: str = "e2e-heldout", examples: int = 64, speedups: Sequence[f
     Returns the fit's record: its settings and one entry per linear."""
     net = llm.model
     check_supported(net)  # before the expensive pass over the examples
-    rows = load_task(task).train[:examples]
-    if not rows:
-        raise ModelError(f"{task} has no training examples to calibrate on")
-    items = [encode_example(llm.tokenizer, r.prompt, r.target) for r in rows]
-    schedules = [llm.make_schedule(speedup=float(sp)) for sp in speedups]
+    items, schedules = calibration_set(llm, task, examples, speedups)
     records = apply_scales(net, linear_inputs(net, items, schedules, tokens_per_linear, seed=seed))
     return {"task": task, "examples": len(items), "speedups": list(map(float, speedups)),
             "tokens_per_linear": tokens_per_linear, "seed": seed, "linears": records}
 
 
+ROUNDINGS = ("nearest", "gptq")
+
+
 def calibrate(model: str | os.PathLike, out: str | os.PathLike, task: str = "e2e-heldout", examples: int = 64,
-              speedups: Sequence[float] = (1.0, 2.0, 3.0), tokens_per_linear: int = 3072, seed: int = 0) -> Path:
+              speedups: Sequence[float] = (1.0, 2.0, 3.0), tokens_per_linear: int = 3072, seed: int = 0,
+              rounding: str = "gptq") -> Path:
     """``fit`` on ``model`` and write the scaled fp32 model to ``out`` (its ``skipdecode.json``
-    kept, the fit recorded under ``awq``)."""
+    kept, the fit recorded under ``awq``). ``rounding="gptq"`` (the default) then rounds the block
+    linears to int4 codes by GPTQ on the same examples (``gptq.fit``; recorded under ``gptq``): the
+    written weights are those codes' values, which ``--dtype int4`` / ``w4a8`` / ``w4a16`` run
+    exactly (and fp32 runs as the int4 model). ``"nearest"`` writes the scaled model, which
+    computes the source's fp32 function and rounds to nearest at load."""
     from .llm import LLM
 
+    if rounding not in ROUNDINGS:
+        raise ModelError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
     llm = LLM.load(model, pack=False)
     record = fit(llm, task, examples, speedups, tokens_per_linear, seed)
     meta = dict(llm.training)
     meta["awq"] = {"source": str(model), **record}
+    if rounding == "gptq":
+        from . import gptq
+
+        meta["gptq"] = gptq.fit(llm, task, examples, speedups)
     return save_hf_model(llm.model, llm.path, Path(out), meta)

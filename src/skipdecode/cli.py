@@ -227,7 +227,8 @@ def cmd_prune(a: argparse.Namespace) -> int:
 def cmd_awq(a: argparse.Namespace) -> int:
     from .awq import calibrate
 
-    out = calibrate(a.model, a.output_dir, task=a.data, examples=a.calibration, speedups=tuple(a.speedups))
+    out = calibrate(a.model, a.output_dir, task=a.data, examples=a.calibration, speedups=tuple(a.speedups),
+                    rounding=a.rounding)
     print(json.dumps({"output_dir": str(out), "next": f"skipdecode generate --model {out} --dtype int4 ..."}))
     return 0
 
@@ -632,19 +633,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out groups kept out of the calibration text, as in train (default 60)")
     r.add_argument("--output-dir", "-o", required=True)
     r.set_defaults(func=cmd_prune)
-    q = sub.add_parser("awq", help="activation-aware channel scales for int4: the same model, rounding to 4 bits "
-                                   "with less loss",
+    q = sub.add_parser("awq", help="calibrate a checkpoint for int4: activation-aware channel scales and GPTQ "
+                                   "rounding, fitted under the skip schedules",
                        description="Fit a scale per input channel of every block linear (AWQ) on calibration "
                                    "examples run with the checkpoint's skip schedules, and fold it into the norm "
-                                   "or the rows before it: the fp32 model computes the same function, and "
-                                   "--dtype int4 / w4a8 / w4a16 on the written checkpoint round with less loss. "
-                                   "Writes a Hugging Face directory (skipdecode.json kept, the fit under 'awq').")
+                                   "or the rows before it (the fp32 function is unchanged); then round the block "
+                                   "linears to int4 codes by GPTQ on the same examples (--rounding gptq, the "
+                                   "default). --dtype int4 / w4a8 / w4a16 on the written checkpoint run those codes. "
+                                   "Writes a Hugging Face directory (skipdecode.json kept, the fits under 'awq' "
+                                   "and 'gptq').")
     q.add_argument("--model", default="default-e2e")
     q.add_argument("--data", default="e2e-heldout",
                    help="calibration examples (their training part): e2e | e2e-heldout | scitldr | FILE.jsonl | FILE.csv")
     q.add_argument("--calibration", type=POSITIVE, default=64, help="training examples (prompt + target) to fit on")
     q.add_argument("--speedups", type=SPEEDUP, nargs="+", default=[1.0, 2.0, 3.0],
                    help="the schedules whose layer inputs the scales are fitted to")
+    q.add_argument("--rounding", choices=["gptq", "nearest"], default="gptq",
+                   help="gptq (default): also round the block linears to int4 codes by GPTQ on the same "
+                        "examples, each input column's error moved onto the columns after it (the written fp32 "
+                        "weights are those codes' values: fp32 on them runs the int4 model); nearest: write "
+                        "the scaled fp32 model, the source's function, rounded to nearest at load")
     q.add_argument("--output-dir", "-o", required=True)
     q.set_defaults(func=cmd_awq)
     from .evaluation.compare import add_compare_cli

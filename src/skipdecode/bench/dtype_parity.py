@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import atomic
+from ..checkpoint import resolve
 from ..config import WEIGHT_DTYPES
 from ..evaluation import evaluate
 from .decode import machine_info
@@ -26,18 +27,31 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
             "identical_outputs": round(sum(ra == rb for ra, rb in zip(a, b)) / max(1, len(a)), 4)}
 
 
+def reference_model(model: str) -> str:
+    """The model whose fp32 outputs the dtypes are held against: ``model`` itself, or, for a
+    checkpoint whose block linears ``skipdecode awq --rounding gptq`` rounded to int4 values (its
+    fp32 then computes the int4 model), the model it was made from."""
+    meta = resolve(model) / "skipdecode.json"
+    info = json.loads(meta.read_text()) if meta.is_file() else {}
+    return info["awq"]["source"] if "gptq" in info and "source" in info.get("awq", {}) else model
+
+
 def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmarks/results",
                      speedups: tuple[float, ...] = (1.0, 2.0, 3.0), data: Path = DATA,
                      split: str = "report",
-                     dtypes: tuple[str, ...] = WEIGHT_DTYPES
+                     dtypes: tuple[str, ...] = WEIGHT_DTYPES, reference: str | None = None
                      ) -> dict[str, Any]:
     """Every weight dtype on the same prompts; the default split's restaurant names were held out
-    from the shipped checkpoint's training."""
+    from the shipped checkpoint's training. BLEU and agreement are against ``reference``'s fp32
+    outputs (default: ``reference_model(model)``)."""
+    reference = reference or reference_model(model)
     reports = {dt: evaluate("e2e", data, model, list(speedups), split=split, bertscore=False, dtype=dt)
                for dt in dtypes}
+    ref_report = reports["float32"] if reference == model and "float32" in reports else \
+        evaluate("e2e", data, reference, list(speedups), split=split, bertscore=False, dtype="float32")
     rows = []
     for dt, rep in reports.items():
-        for res, ref in zip(rep["results"], reports["float32"]["results"]):
+        for res, ref in zip(rep["results"], ref_report["results"]):
             a = [o["token_ids"] for o in ref["outputs"]]
             b = [o["token_ids"] for o in res["outputs"]]
             rows.append({"dtype": dt, "speedup_target": res["speedup_target"], "bleu": res["bleu"],
@@ -45,7 +59,7 @@ def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmar
                          **agreement(a, b), "n_examples": res["n_examples"]})
     command = "skipdecode bench --dtype-parity" + ("" if model == "default-e2e" else f" --model {model}") \
         + ("" if Path(out_dir) == Path("benchmarks/results") else f" --out-dir {out_dir}")
-    report = {"model": model, "data": str(data), "split": split, "greedy": True,
+    report = {"model": model, "reference_model": reference, "data": str(data), "split": split, "greedy": True,
               "machine": machine_info(), "command": command, "results": rows}
     out = Path(out_dir)
     atomic.write_text(out / "dtype-parity.json", json.dumps(report, indent=2) + "\n")
@@ -55,9 +69,15 @@ def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmar
              + "), greedy, multi-reference "
              "BLEU (sacrebleu). Token agreement: share of fp32's generated tokens reproduced at the same "
              f"position before the first difference. Produced by `{command}` on "
-             f"{report['machine']['cpu']}.", "",
-             "| dtype | target | BLEU | BLEU - fp32 | token agreement | identical outputs |",
-             "|---|---|---|---|---|---|"]
+             f"{report['machine']['cpu']}.", ""]
+    if reference != model:
+        ref_bleu = " / ".join(f"{r['bleu']:.2f}" for r in ref_report["results"])
+        lines += [f"\"fp32\" below is `{reference}`'s fp32 ({ref_bleu} BLEU at "
+                  + " / ".join(f"{sp:g}x" for sp in speedups) + f"), the model `{model}` was made from: "
+                  "BLEU - fp32 and agreement are against it. `float32` rows are this model's int4 values "
+                  "run in fp32.", ""]
+    lines += ["| dtype | target | BLEU | BLEU - fp32 | token agreement | identical outputs |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['speedup_target']:g}x | {r['bleu']:.2f} | {r['bleu_minus_fp32']:+.2f} | "
                      f"{100 * r['token_agreement']:.1f}% | {100 * r['identical_outputs']:.1f}% |")
