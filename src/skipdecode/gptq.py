@@ -27,7 +27,7 @@ import torch
 from . import kernels
 from .awq import LINEARS, calibration_set, check_supported, each_linear_input
 from .config import ModelError
-from .model import Transformer
+from .model import Transformer, dequantize_int4, quantize_int4
 
 
 def hessians(net: Transformer, items: Sequence[tuple[list[int], list[int]]], schedules: Sequence,
@@ -93,8 +93,6 @@ def product_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
 def apply(net: Transformer, hs: dict[tuple[int, str], tuple[torch.Tensor, int]], damp: float = 0.01) -> list[dict]:
     """Round every block linear of ``net`` (in place) to int4 codes by GPTQ; one record per linear
     with its product error as a share of round-to-nearest's (below 1: GPTQ closer)."""
-    from .model import dequantize_int4, quantize_int4
-
     records = []
     with torch.no_grad():
         for li, block in enumerate(net.layers):

@@ -233,13 +233,15 @@ class Engine:
         drafted: list[tuple[RequestState, torch.Tensor]] = []  # (lossless request, logits of its next draft)
         t0 = time.perf_counter()
         rounds: list[torch.Tensor] = []  # per verified round, full depth's logits of each of its positions
+        decode_logits = None  # the decode rows' logits, in plan.decode's order
         if plan.decode or plan.verify:
             logits = self.runner.decode(plan)
             lo = 0
             for st in plan.verify:
                 rounds.append(logits[lo:lo + len(st.drafts) + 1])
                 lo += len(st.drafts) + 1
-            for st, b, row in zip(plan.decode, plan.budgets, logits[lo:]):
+            decode_logits = logits[lo:]
+            for st, b, row in zip(plan.decode, plan.budgets, decode_logits):
                 if st.round_size:  # a lossless request's draft
                     st.draft_budgets.append(b)
                     drafted.append((st, row))
@@ -276,7 +278,10 @@ class Engine:
         self._draft(drafted)
         if not ready:
             return outs
-        logits = torch.stack([r for _, r in ready])
+        # every row ready to sample is a plain decode row, in order: their logits are already one
+        # tensor (a stack would copy rows x vocab floats each step)
+        plain = not drafted and not plan.prefill and decode_logits is not None and len(ready) == len(decode_logits)
+        logits = decode_logits if plain else torch.stack([r for _, r in ready])
         states = [st for st, _ in ready]
         picks = sample_rows(logits, [st.request.sampling for st in states], [st.generator for st in states],
                             self.model.argmax)
