@@ -23,7 +23,7 @@ import torch
 
 from skipdecode import gptq
 from skipdecode.awq import fit
-from skipdecode.bench.dtype_parity import agreement
+from skipdecode.bench.dtype_parity import against_reference
 from skipdecode.evaluation.evaluate import evaluate
 from skipdecode.llm import LLM
 
@@ -56,13 +56,7 @@ def main() -> None:
             "int4, awq, gptq": score("int4", True, "gptq", fits),
             "int4, gptq without awq": score("int4", False, "gptq", fits)}
     ref = runs["float32"]["results"]
-    rows = {}
-    for name, rep in runs.items():
-        rows[name] = {}
-        for res, r0 in zip(rep["results"], ref):
-            ag = agreement([o["token_ids"] for o in r0["outputs"]], [o["token_ids"] for o in res["outputs"]])
-            rows[name][f"{res['speedup_target']:g}x"] = {"bleu": res["bleu"], "bleu_minus_fp32": round(res["bleu"] - r0["bleu"], 3),
-                                                         **ag}
+    rows = against_reference(runs, runs["float32"])
     OUT.write_text(json.dumps({"model": "default-e2e", "split": "e2e-heldout select",
                                "n_examples": ref[0]["n_examples"], "results": rows,
                                "gptq_fit (product error on the calibration inputs, share of nearest's)": fits,

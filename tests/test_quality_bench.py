@@ -108,6 +108,21 @@ def test_rouge_bootstrap_brackets_the_kept_mean_rouge_l_and_is_exact_for_identic
         paired_rouge_bootstrap(worse, good[:4], refs)
 
 
+def test_runs_against_a_reference_give_bleu_differences_and_agreement_per_speedup():
+    from skipdecode.bench.dtype_parity import against_reference
+
+    def report(bleus, outs):
+        return {"results": [{"speedup_target": sp, "bleu": b, "outputs": [{"token_ids": t} for t in o]}
+                            for sp, b, o in zip((1.0, 3.0), bleus, outs)]}
+
+    ref = report((70.0, 75.0), ([[1, 2, 3]], [[4, 5]]))
+    rows = against_reference({"ref": ref, "int4": report((71.5, 72.25), ([[1, 2, 9]], [[4, 5]]))}, ref)
+    assert rows["ref"]["3x"] == {"bleu": 75.0, "bleu_minus_fp32": 0.0, "token_agreement": 1.0, "identical_outputs": 1.0}
+    assert rows["int4"]["1x"] == {"bleu": 71.5, "bleu_minus_fp32": 1.5, "token_agreement": round(2 / 3, 4),
+                                  "identical_outputs": 0.0}
+    assert rows["int4"]["3x"]["bleu_minus_fp32"] == -2.75
+
+
 def test_token_agreement_counts_the_reference_tokens_reproduced_before_the_first_difference():
     from skipdecode.bench.dtype_parity import agreement
 

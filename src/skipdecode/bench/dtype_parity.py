@@ -27,6 +27,19 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
             "identical_outputs": round(sum(ra == rb for ra, rb in zip(a, b)) / max(1, len(a)), 4)}
 
 
+def against_reference(runs: dict[str, dict[str, Any]], ref: dict[str, Any]) -> dict[str, dict[str, dict]]:
+    """Per run and speedup (``"3x"``): its BLEU, BLEU minus ``ref``'s and greedy token agreement
+    with ``ref``'s outputs; ``runs`` and ``ref`` are ``evaluate`` reports at the same speedups."""
+    rows: dict[str, dict[str, dict]] = {}
+    for name, rep in runs.items():
+        rows[name] = {}
+        for res, r0 in zip(rep["results"], ref["results"]):
+            ag = agreement([o["token_ids"] for o in r0["outputs"]], [o["token_ids"] for o in res["outputs"]])
+            rows[name][f"{res['speedup_target']:g}x"] = {
+                "bleu": res["bleu"], "bleu_minus_fp32": round(res["bleu"] - r0["bleu"], 3), **ag}
+    return rows
+
+
 def reference_model(model: str) -> str:
     """The model whose fp32 outputs the dtypes are held against: ``model`` itself, or, for a
     checkpoint whose block linears ``skipdecode awq --rounding gptq`` rounded to int4 values (its
