@@ -1,13 +1,14 @@
-"""Where a batch-1 decode step's time goes, per weight dtype (benchmarks/results/step-breakdown.json).
+"""Where a decode step's time goes, per weight dtype (benchmarks/results/step-breakdown.json).
 
-A 64-token greedy decode of one E2E prompt on ``default-e2e`` at full depth, timed from Python
+A 64-token greedy decode of one E2E prompt (``--rows R``: R prompts, row i gets the benchmark prompt i, cycling, as
+``skipdecode bench`` does) on ``default-e2e`` at full depth, timed from Python
 with wrappers around the model's decode call, its LM head and its layer stack's call. Best of
 6 runs by step time. Parts of a step:
   engine       -- the engine's step around the model (scheduling, sampling, bookkeeping)
   python       -- the model's decode minus its layer calls and head (embedding, RoPE tables, the layer loop)
   layer calls  -- the fused layers' one LayerStack call (GEMMs, norms, RoPE, attention, SwiGLU, argument passing)
   head         -- the final norm and LM head
-Run from the repository root: .venv/bin/python benchmarks/step_breakdown.py [OUT.json]
+Run from the repository root: .venv/bin/python benchmarks/step_breakdown.py [OUT.json] [--rows R]
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
 N, RUNS = 64, 6
 
 
-def breakdown(dtype: str) -> dict:
+def breakdown(dtype: str, rows: int = 1) -> dict:
     llm = LLM.load("default-e2e", dtype=dtype)
     net = llm.model
-    ids = [llm.encode(PROMPTS[0])]
+    ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(rows)]
     sched = llm.make_schedule(speedup=1.0, expected_new_tokens=N)
     spent = {"decode": 0.0, "head": 0.0, "layers": 0.0}
     calls = {"decode": 0, "head": 0, "layers": 0}
@@ -76,15 +77,21 @@ def breakdown(dtype: str) -> dict:
 
 
 def main() -> None:
-    rows = []
+    args = sys.argv[1:]
+    rows = 1
+    if "--rows" in args:
+        i = args.index("--rows")
+        rows = int(args[i + 1])
+        del args[i:i + 2]
+    results = []
     for dt in DTYPES:
-        r = breakdown(dt)
-        rows.append(r)
+        r = breakdown(dt, rows)
+        results.append(r)
         print(json.dumps(r), flush=True)
-    out = {"model": "default-e2e", "rows": 1, "new_tokens": N, "runs": RUNS, "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "machine": machine_info(), "results": rows,
+    out = {"model": "default-e2e", "rows": rows, "new_tokens": N, "runs": RUNS, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "machine": machine_info(), "results": results,
            "command": "python benchmarks/step_breakdown.py " + " ".join(sys.argv[1:])}
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/step-breakdown.json")
+    path = Path(args[0] if args else "benchmarks/results/step-breakdown.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
 
