@@ -206,8 +206,11 @@ def test_a_burst_past_the_queue_never_holds_more_than_it_allows(server):
     statuses = [st for st, _ in results]
     assert len(statuses) == 24 and set(statuses) <= {200, 429}
     assert peak[0] <= limit
-    # a request that ended before the last one arrived freed its place (threads start late on a busy machine)
-    finished_early = sum(1 for st, t in results if st == 200 and t < max(sent_at))
+    # a request that ended before the last one arrived freed its place (threads start late on a busy
+    # machine); a client thread notes its response's end after the server's last byte, up to a
+    # scheduling delay later, so one that ended just before the last arrival may read as just after
+    slack = 0.1
+    finished_early = sum(1 for st, t in results if st == 200 and t < max(sent_at) + slack)
     assert limit >= statuses.count(200) - finished_early >= 1
     assert server.health() == 200
 
