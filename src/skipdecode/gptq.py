@@ -27,7 +27,7 @@ import torch
 from . import kernels
 from .awq import LINEARS, calibration_set, check_supported, each_linear_input
 from .config import ModelError
-from .model import Transformer, dequantize_int4, quantize_int4
+from .model import Transformer, dequantize_int4, int4_scale, quantize_int4
 
 
 def hessians(net: Transformer, items: Sequence[tuple[list[int], list[int]]], schedules: Sequence,
@@ -64,17 +64,13 @@ def round_int4(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01, block: int 
     H += damp * torch.diagonal(H).mean() * torch.eye(k, dtype=H.dtype)
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     Q = torch.empty_like(W)
-    rows = torch.arange(n)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
         Wb, Ub = W[:, b0:b1].clone(), U[b0:b1, b0:b1]
         err = torch.empty_like(Wb)
         for i in range(b1 - b0):
             if i % g == 0:  # the group's scale from its weights as they stand now (Q4_0's rule)
-                grp = Wb[:, i:i + g]
-                top = grp.abs().argmax(dim=1)
-                d = (grp[rows, top] / -8).bfloat16().float()
-                inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+                d, inv, top = (t[:, 0] for t in int4_scale(Wb[:, i:i + g]))
             q = torch.round(Wb[:, i] * inv + 8).clamp(0, 15)
             q[top == i % g] = 0  # the entry that set the scale stays at -8 d, so the codes round back
             Q[:, b0 + i] = (q - 8) * d

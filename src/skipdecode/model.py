@@ -181,11 +181,18 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % g:
         raise ValueError(f"int4 weights need in_features divisible by {g}, got {k}")
     wg = w.float().reshape(n, k // g, g)
-    idx = wg.abs().argmax(dim=-1, keepdim=True)
-    d = (wg.gather(-1, idx) / -8).bfloat16().float()
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    d, inv, _ = int4_scale(wg)
     q = torch.round(wg * inv + 8).clamp(0, 15).to(torch.uint8)
     return q.reshape(n, k).contiguous(), d.squeeze(-1).bfloat16().contiguous()
+
+
+def int4_scale(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0's scale of each group along the last dim of fp32 ``groups``: ``d`` (bf16-rounded, as
+    stored) maps the entry of largest magnitude to code 0 (``-8 d``); returns ``d`` and ``1 / d``
+    (0 for an all-zero group), each with a trailing dim of 1, and that entry's index."""
+    top = groups.abs().argmax(dim=-1, keepdim=True)
+    d = (groups.gather(-1, top) / -8).bfloat16().float()
+    return d, torch.where(d == 0, torch.zeros_like(d), 1 / d), top
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
