@@ -8,6 +8,7 @@ each in turn (interleaved rounds, best of each), and both must give the same tok
 Run from the repository root, e.g. against the previous commit's kernels:
     git show HEAD~1:src/skipdecode/csrc/decode_kernels.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/kernel_ab.py /tmp/before.cpp benchmarks/results/kernel-ab.json
+Other cases than CASES: --case DTYPE:BATCH:SPEEDUP (repeatable), e.g. --case w8a8:32:1.
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ def build_other(source: Path):
 
 
 def main() -> None:
-    other_src, out = Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    args, cases = sys.argv[1:], []
+    while "--case" in args:
+        i = args.index("--case")
+        dtype, batch, speedup = args[i + 1].split(":")
+        cases.append((dtype, int(batch), float(speedup)))
+        del args[i:i + 2]
+    other_src, out = Path(args[0]), Path(args[1]) if len(args) > 1 else None
     this, other = kernels.load(), build_other(other_src)
     results = []
-    for dtype, batch, speedup in CASES:
+    for dtype, batch, speedup in cases or CASES:
         llm = LLM.load("default-e2e", dtype=dtype)
         net = llm.model
         enc = [llm.encode(p) for p in PROMPTS]
@@ -68,7 +75,7 @@ def main() -> None:
     report = {"machine": machine_info(), "other_source": str(other_src), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
               "timing": "decode steps after the first token, best of the rounds, the two versions interleaved (order alternating)",
-              "results": results}
+              "command": "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:]), "results": results}
     if out:
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out}")

@@ -434,7 +434,8 @@ def test_int8_activation_panels_equal_exact_integer_sums_of_block_quantized_rows
 def test_int8_activation_forms_give_bitwise_identical_outputs(k, int4, limbs):
     """A CPU without VNNI (the AVX2 form) computes exactly what one with it does, and both exactly
     what the plain C++ form does, and so does AMX's tile form: 1 to 40 rows (the AVX2 form takes
-    them 4 at a time, VNNI 8 or 12, AMX up to 16 from 12 or 16 rows on), K over several blocks of 256,
+    them 4 at a time, VNNI 8 or 12 of one panel below 4-9 rows and tiles of 4-6 rows x 2 panels from
+    there, AMX up to 16 from 12 or 16 rows on), K over several blocks of 256,
     weights at the int8 extremes, activations with outliers, a bias and a partial last panel."""
     from skipdecode.model import quantize_int4, quantize_int8
 

@@ -870,6 +870,154 @@ SD_VNNI void row_block_a8(int64_t r, const int8_t* xq, const int8_t* xl, const f
   }
 }
 
+// Several rows on VNNI: tiles of up to 6 rows (4 with two limbs) x 2 panels. The one-panel form
+// above, at 12 rows, kept a pointer per row and per-step bookkeeping in general registers the
+// compiler had to spill and shuffle around every vpdpbusd; it reached about a third of the
+// machine's vpdpbusd rate. Here the activations are interleaved by 4 k ([K / 4, M, 4] bytes), so a
+// tile's rows are dwords at fixed offsets from one pointer, each broadcast feeds two panels, and
+// the 12 int32 sums, 12 fp32 sums and two weight operands stay in registers (the 8 steps of a
+// block unrolled whole: left as a loop, GCC copied every sum between registers each step). Each
+// step asks for the line the next pair of panels reads at the same k (two weight streams at once;
+// a fixed 4 KB ahead left them waiting on memory). Each output takes the same fp32 steps in the
+// same order as in micro_kernel_a8: the same bits.
+inline void interleave_k4(const std::vector<int8_t>& q, int64_t M, int64_t K, std::vector<int8_t>& out) {
+  out.resize(M * K);
+  const int64_t K4 = K / 4;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j = 0; j < K4; ++j) std::memcpy(out.data() + (j * M + r) * 4, q.data() + r * K + j * 4, 4);
+}
+
+// R rows x P panels over one K block (kc a multiple of QB). xi/xli: the rows' interleaved
+// activations at the block's first k (ldxi bytes per 4 k); xs/xsum: their block scales and sums
+// (nb per row); panel j's weights at w + j * ldw bytes, its int4 group scales at gs + j * ldg;
+// acc: panel j's sums of row r at acc + j * lda + r * NR.
+template <int R, int P, bool Q4, bool A16>
+SD_VNNI static inline void tile_a8(const int8_t* xi, const int8_t* xli, int64_t ldxi, const float* xs,
+                                   const int32_t* xsum, int64_t nb, const uint8_t* w, int64_t ldw, const uint16_t* gs,
+                                   int64_t ldg, int64_t kc, float* acc, int64_t lda, bool first) {
+  __m512 f[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) f[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + j * lda + r * NR);
+  constexpr int64_t WB = Q4 ? NR / 2 : NR;  // weight bytes per k of a panel
+  for (int64_t b = 0; b < kc; b += QB) {
+    __m512i s[R][P], t[A16 ? R : 1][P];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < P; ++j) {
+        s[r][j] = _mm512_setzero_si512();
+        if constexpr (A16) t[r][j] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 8
+    for (int kk = 0; kk < QB / 4; ++kk) {  // whole: the sums stay in the registers they start in
+      const int64_t k = b + 4 * kk;
+      __m512i wv[P];
+      for (int j = 0; j < P; ++j) {
+        const uint8_t* p = w + j * ldw + k * WB;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + 2 * ldw, _MM_HINT_T0);  // the next pair's line
+        wv[j] = Q4 ? vnni_i4(p) : _mm512_loadu_si512(p);
+      }
+      const int8_t* xk = xi + (k / 4) * ldxi;
+      const int8_t* lk = A16 ? xli + (k / 4) * ldxi : nullptr;
+      for (int r = 0; r < R; ++r) {
+        int32_t xd;
+        std::memcpy(&xd, xk + 4 * r, 4);
+        const __m512i xb = _mm512_set1_epi32(xd);
+        for (int j = 0; j < P; ++j) s[r][j] = _mm512_dpbusd_epi32(s[r][j], wv[j], xb);
+        if constexpr (A16) {
+          std::memcpy(&xd, lk + 4 * r, 4);
+          const __m512i lb = _mm512_set1_epi32(xd);
+          for (int j = 0; j < P; ++j) t[r][j] = _mm512_dpbusd_epi32(t[r][j], wv[j], lb);
+        }
+      }
+    }
+    const int64_t blk = b / QB;
+    __m512 g[P];
+    for (int j = 0; j < P; ++j)
+      g[j] = Q4 ? _mm512_mul_ps(load_w16(gs + j * ldg + blk * NR), _mm512_set1_ps(16.f)) : _mm512_set1_ps(1.f);
+    for (int r = 0; r < R; ++r) {
+      const __m512i off = _mm512_set1_epi32((Q4 ? 8 : 128) * xsum[r * nb + blk]);
+      const __m512 xsv = _mm512_set1_ps(xs[r * nb + blk]);
+      for (int j = 0; j < P; ++j) {
+        __m512i sum = s[r][j];
+        if constexpr (A16) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7), t[r][j]);
+        const __m512 sumf = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, off));
+        f[r][j] = _mm512_fmadd_ps(sumf, Q4 ? _mm512_mul_ps(g[j], xsv) : xsv, f[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) _mm512_storeu_ps(acc + j * lda + r * NR, f[r][j]);
+}
+
+template <int P, bool Q4, bool A16>
+SD_VNNI void tile_rows_a8(int64_t r, const int8_t* xi, const int8_t* xli, int64_t ldxi, const float* xs,
+                          const int32_t* xsum, int64_t nb, const uint8_t* w, int64_t ldw, const uint16_t* gs,
+                          int64_t ldg, int64_t kc, float* acc, int64_t lda, bool first) {
+#define SD_TILE(R) return tile_a8<R, P, Q4, A16>(xi, xli, ldxi, xs, xsum, nb, w, ldw, gs, ldg, kc, acc, lda, first)
+  switch (r) {
+    case 6: if constexpr (!A16) SD_TILE(6); else break;
+    case 5: if constexpr (!A16) SD_TILE(5); else break;
+    case 4: SD_TILE(4);
+    case 3: SD_TILE(3);
+    case 2: SD_TILE(2);
+    default: SD_TILE(1);
+  }
+#undef SD_TILE
+  check(false, "two-limb tiles take at most 4 rows");
+}
+
+// From how many rows the tiles beat micro_kernel_a8 with weights streamed from memory (30 layers of
+// default-e2e's shapes, AMD EPYC Zen 5, 2 threads): below it the one-panel form keeps the single
+// weight stream the memory system serves best; int8 weights with int8 activations stream the
+// most bytes per multiply-add, so they move over last. Both give the same bits on either side.
+constexpr int64_t tile_min_rows(bool q4, bool a16) { return q4 ? (a16 ? 4 : 5) : (a16 ? 6 : 9); }
+
+// y = x @ W^T (+ bias) (+ res) from quantized rows on VNNI in tiles (above): threads take pairs of
+// panels, K in blocks of KC (two panels' weight block stays in L1 while every row tile uses it),
+// rows in tiles of at most 6 (4) split evenly.
+template <bool Q4, bool A16>
+void linear_tiles_a8(const QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
+                     const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  constexpr int64_t RT = A16 ? 4 : 6;
+  std::vector<int8_t> xi, xli;
+  interleave_k4(qx.q, M, K, xi);
+  if (A16) interleave_k4(qx.ql, M, K, xli);
+  const int64_t nb = qx.nb, NT = (NP + 1) / 2, nrb = (M + RT - 1) / RT, ldxi = 4 * M;
+  const int64_t ldw = Q4 ? K * NR / 2 : K * NR, ldg = (K / G4) * NR;
+  const uint8_t* w8 = static_cast<const uint8_t*>(wa);
+  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> acc;
+    acc.resize(2 * M * NR);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p0 = 2 * t, np = std::min<int64_t>(2, NP - p0);
+      pf.part(t, NT);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const uint8_t* w = w8 + p0 * ldw + k0 * (Q4 ? NR / 2 : NR);
+        const uint16_t* g = Q4 ? gs + p0 * ldg + (k0 / G4) * NR : nullptr;
+        for (int64_t b = 0, m = 0; b < nrb; ++b) {
+          const int64_t r = (M - m) / (nrb - b);
+          const int8_t* x = xi.data() + k0 * M + 4 * m;
+          const int8_t* xl = A16 ? xli.data() + k0 * M + 4 * m : nullptr;
+          const float* xs = qx.s.data() + m * nb + k0 / QB;
+          const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
+          if (np == 2)
+            tile_rows_a8<2, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
+                                     k0 == 0);
+          else
+            tile_rows_a8<1, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
+                                     k0 == 0);
+          m += r;
+        }
+      }
+      for (int64_t j = 0; j < np; ++j) {
+        const int64_t p = p0 + j;
+        store_rows(M, acc.data() + j * M * NR, ya + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
+                   ba ? ba + p * NR : nullptr, res ? res + p * NR : nullptr);
+      }
+    }
+  });
+}
+
 // The same arithmetic without VNNI (any x86-64 CPU): signed integer sums per block, the same
 // fp32 steps in the same order (fmaf is the fused multiply-add vfmadd computes).
 template <bool Q4, bool A16>
@@ -1212,6 +1360,8 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
   quantize_rows(xa, M, K, qx, A16);
   if (g_a8 == A8_AMX && M >= (Q4 || A16 ? AMX_MIN_ROWS : AMX_MIN_ROWS_W8A8))
     return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
+  if (g_a8 >= A8_VNNI && M >= tile_min_rows(Q4, A16))
+    return linear_tiles_a8<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
   // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
