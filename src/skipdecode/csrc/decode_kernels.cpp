@@ -1595,10 +1595,11 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
           continue;
         }
         const float* k0 = kb + s * ks;
-        for (int64_t j = 0; j < 4 * hd; j += 16) {  // streams too short for the hardware prefetcher alone
-          if (s + 12 <= S) _mm_prefetch(reinterpret_cast<const char*>(k0 + 8 * ks + (j / hd) * ks + j % hd), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vb + (s + j / hd) * vs + j % hd), _MM_HINT_T1);
-        }
+        for (int64_t j = 0; j < 4; ++j)  // streams too short for the hardware prefetcher alone
+          for (int64_t d = 0; d < hd; d += 16) {  // (row by row: two integer divisions a line cost more than the scores)
+            if (s + 12 <= S) _mm_prefetch(reinterpret_cast<const char*>(k0 + (8 + j) * ks + d), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vb + (s + j) * vs + d), _MM_HINT_T1);
+          }
         for (int64_t i = 0; i < G; ++i) {
           const float* qi = qg + i * hd;
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
