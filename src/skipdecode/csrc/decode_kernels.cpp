@@ -806,7 +806,7 @@ SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const int8_t* xl, c
       for (int r = 0; r < R; ++r) s[u][r] = _mm512_setzero_si512();
       for (int r = 0; r < RL; ++r) t[u][r] = _mm512_setzero_si512();
     }
-    auto step = [&](int kk) SD_VNNI __attribute__((always_inline)) {
+    auto step = [&](int kk) SD_VNNI __attribute__((always_inline)) {  // inlined: the loop body it names
       const int64_t k = b + 4 * kk;
       const int u = kk % U;
       __m512i w;
@@ -825,8 +825,8 @@ SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const int8_t* xl, c
           t[u][r] = _mm512_dpbusd_epi32(t[u][r], w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xl + r * K + k)));
       }
     };
-    // int4: the block's 8 steps whole (as in tile_a8; 1.2-1.5x for w4a8 and w4a16 at 1-2 rows, the
-    // 30 layers' GEMMs with weights from memory); int8 weights gained nothing so, and stay a loop
+    // int4: the block's 8 steps whole (as in tile_a8; w4a8 / w4a16 decode steps 1.03-1.11x at 1-2
+    // rows, benchmarks/results/kernel-ab-int4-a8-unrolled.json); int8 weights gained nothing so
     if constexpr (Q4) {
 #pragma GCC unroll 8
       for (int kk = 0; kk < QB / 4; ++kk) step(kk);
@@ -882,8 +882,7 @@ SD_VNNI void row_block_a8(int64_t r, const int8_t* xq, const int8_t* xl, const f
 
 // Several rows on VNNI: tiles of up to 6 rows (4 with two limbs) x 2 panels. The one-panel form
 // above, at 12 rows, kept a pointer per row and per-step bookkeeping in general registers the
-// compiler had to spill and shuffle around every vpdpbusd; it reached about a third of the
-// machine's vpdpbusd rate. Here the activations are interleaved by 4 k ([K / 4, M, 4] bytes), so a
+// compiler had to spill and shuffle around every vpdpbusd. Here the activations are interleaved by 4 k ([K / 4, M, 4] bytes), so a
 // tile's rows are dwords at fixed offsets from one pointer, each broadcast feeds two panels, and
 // the 12 int32 sums, 12 fp32 sums and two weight operands stay in registers (the 8 steps of a
 // block unrolled whole: left as a loop, GCC copied every sum between registers each step). Each
@@ -1606,7 +1605,7 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
         }
         const float* k0 = kb + s * ks;
         for (int64_t j = 0; j < 4; ++j)  // streams too short for the hardware prefetcher alone
-          for (int64_t d = 0; d < hd; d += 16) {  // (row by row: two integer divisions a line cost more than the scores)
+          for (int64_t d = 0; d < hd; d += 16) {  // (row by row: no integer division per line)
             if (s + 12 <= S) _mm_prefetch(reinterpret_cast<const char*>(k0 + (8 + j) * ks + d), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(vb + (s + j) * vs + d), _MM_HINT_T1);
           }
