@@ -9,6 +9,8 @@ Run from the repository root, e.g. against the previous commit's kernels:
     git show HEAD~1:src/skipdecode/csrc/decode_kernels.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/kernel_ab.py /tmp/before.cpp benchmarks/results/kernel-ab.json
 Other cases than CASES: --case DTYPE:BATCH:SPEEDUP (repeatable), e.g. --case w8a8:32:1.
+--rounds-differ: for a change that rounds differently (both versions within fp32 rounding of the
+exact result), record how many rows decode the same tokens instead of stopping at a difference.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def build_other(source: Path):
 
 def main() -> None:
     args, cases = sys.argv[1:], []
+    rounds_differ = "--rounds-differ" in args
+    args = [a for a in args if a != "--rounds-differ"]
     while "--case" in args:
         i = args.index("--case")
         dtype, batch, speedup = args[i + 1].split(":")
@@ -63,12 +67,13 @@ def main() -> None:
                 rows, st = generate_tokens(net, ids, sched, NEW_TOKENS, eos_token_ids=())
                 ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
                 tokens[name] = [r.token_ids for r in rows]
-        if tokens["this"] != tokens["other"]:
+        same_rows = sum(a == b for a, b in zip(tokens["this"], tokens["other"]))
+        if same_rows < batch and not rounds_differ:
             raise SystemExit(f"{dtype} batch {batch} {speedup:g}x: the two kernel versions decode different tokens")
         best = {k: min(v[1:]) for k, v in ms.items()}
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
              "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
-             round(best["other"] / best["this"], 3)}
+             round(best["other"] / best["this"], 3), "rows_with_the_same_tokens": same_rows}
         results.append(r)
         print(f"{dtype:8s} B={batch:<2} {speedup:g}x  other {best['other']:6.2f}  this {best['this']:6.2f} ms/step  "
               f"{r['this_over_other_tokens_per_s']:.3f}x", flush=True)

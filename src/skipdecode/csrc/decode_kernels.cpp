@@ -355,9 +355,11 @@ SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const floa
 // the ISA: the AVX2 and AVX-512 forms give bitwise identical outputs, and a row's outputs do not
 // depend on how many rows share the call (from WIDE_MIN_* rows on).
 // From how many rows the wide form runs, per panel dtype (tests/test_kernels.py covers both sides):
-// fp32 panels are read in place, so from 2; the narrow form widens int4 at the highest cost per
-// row block, so from two row blocks; int8 and bf16 cost it least, so from three.
-constexpr int64_t WIDE_MIN_F32 = 2, WIDE_MIN_INT4 = 7, WIDE_MIN_INT8 = 13;
+// fp32 panels are read in place, so from 2; int8 and bf16 from three row blocks. int4 from 17: its
+// narrow form (a mask and a conversion per weight and row block, no decoded copy) was faster up
+// to 16 rows with weights streamed from memory on an AMD EPYC (Zen 5), a decode step at 8 rows
+// 1.19x (benchmarks/results/kernel-ab-int4-wide-from-17.json), and slower from 20.
+constexpr int64_t WIDE_MIN_F32 = 2, WIDE_MIN_INT4 = 17, WIDE_MIN_INT8 = 13;
 constexpr int64_t WP = 4;    // panels per group
 constexpr int64_t KW = 128;  // K block of widened panels: WP x KW x 16 floats (32 KB) stay in L1
 
