@@ -581,6 +581,16 @@ void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Prefetch& pf
   });
 }
 
+// Rows 0 .. M - 1 in nrb blocks as even as they can be (the larger ones last): body(m, r) per block.
+template <typename Body>
+inline void even_row_blocks(int64_t M, int64_t nrb, const Body& body) {
+  for (int64_t b = 0, m = 0; b < nrb; ++b) {
+    const int64_t r = (M - m) / (nrb - b);
+    body(m, r);
+    m += r;
+  }
+}
+
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ res), W packed by skipdecode.kernels.pack_weight
 // as [ceil(N / 16), K, 16] (zero padded). x and y are row-major and must not
 // overlap; res may be y itself (an in-place residual add: each element is read
@@ -678,11 +688,9 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
           w = buf.data();
           ldw = KW * NR;
         }
-        for (int64_t b = 0, m = 0; b < nrb; ++b) {
-          const int64_t r = (M - m) / (nrb - b);
+        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
           wide_block(r, np, xa + m * K + k0, K, w, ldw, kc, acc.data() + m * NR, M * NR, k0 == 0);
-          m += r;
-        }
+        });
       }
       for (int64_t j = 0; j < np; ++j) {
         const int64_t p = p0 + j;
@@ -787,6 +795,22 @@ SD_VNNI static inline __m512i vnni_i4(const uint8_t* w) {
   return _mm512_and_si512(_mm512_srlv_epi16(t, sh), _mm512_set1_epi8(0x0f));
 }
 
+// One finished block of 32 k of one row and panel: its exact int32 sum s (A16: high limbs' s, low
+// limbs' t) less the weights' offset times the row's block sum xsum, in fp32, times the row's block
+// scale xs (int4: and the column's group scale g, block_scale512), added to f. Every VNNI form
+// (micro_kernel_a8, tile_a8) takes these steps in this order, so their outputs are the same bits.
+template <bool Q4>
+SD_VNNI static inline __m512 block_scale512(const uint16_t* gs) {
+  return Q4 ? _mm512_mul_ps(load_w16(gs), _mm512_set1_ps(16.f)) : _mm512_set1_ps(1.f);
+}
+template <bool Q4, bool A16>
+SD_VNNI static inline __m512 add_block512(__m512i s, __m512i t, int32_t xsum, float xs, __m512 g, __m512 f) {
+  if constexpr (A16) s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), t);
+  const __m512 sumf = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_set1_epi32((Q4 ? 8 : 128) * xsum)));
+  const __m512 xsv = _mm512_set1_ps(xs);
+  return _mm512_fmadd_ps(sumf, Q4 ? _mm512_mul_ps(g, xsv) : xsv, f);
+}
+
 // rows x 16 outputs of one panel over one K block (kc a multiple of QB) with int8 activations.
 // Q4: int4 pair panels with bf16 group scales gs ([kc / 32, 16], stored / 16), else int8 panels
 // whose per-column scale applies at the end (finish512). Per block of 32 k and row, the exact
@@ -837,17 +861,12 @@ SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const int8_t* xl, c
       for (int kk = 0; kk < QB / 4; ++kk) step(kk);
     }
     const int64_t blk = b / QB;
-    __m512 g = _mm512_set1_ps(1.f);
-    if constexpr (Q4) g = _mm512_mul_ps(load_w16(gs + blk * NR), _mm512_set1_ps(16.f));
+    const __m512 g = block_scale512<Q4>(gs + blk * NR);
     for (int r = 0; r < R; ++r) {
       for (int u = 1; u < U; ++u) s[0][r] = _mm512_add_epi32(s[0][r], s[u][r]);
-      if constexpr (A16) {
+      if constexpr (A16)
         for (int u = 1; u < U; ++u) t[0][r] = _mm512_add_epi32(t[0][r], t[u][r]);
-        s[0][r] = _mm512_add_epi32(_mm512_slli_epi32(s[0][r], 7), t[0][r]);
-      }
-      const __m512i off = _mm512_set1_epi32((Q4 ? 8 : 128) * xsum[r * nb + blk]);
-      const __m512 sumf = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[0][r], off));
-      f[r] = _mm512_fmadd_ps(sumf, Q4 ? _mm512_mul_ps(g, _mm512_set1_ps(xs[r * nb + blk])) : _mm512_set1_ps(xs[r * nb + blk]), f[r]);
+      f[r] = add_block512<Q4, A16>(s[0][r], t[0][A16 ? r : 0], xsum[r * nb + blk], xs[r * nb + blk], g, f[r]);
     }
   }
   finish512<R>(f, acc, last, y, ldy, ncols, scale, bias, res);
@@ -942,18 +961,10 @@ SD_VNNI static inline void tile_a8(const int8_t* xi, const int8_t* xli, int64_t 
     }
     const int64_t blk = b / QB;
     __m512 g[P];
-    for (int j = 0; j < P; ++j)
-      g[j] = Q4 ? _mm512_mul_ps(load_w16(gs + j * ldg + blk * NR), _mm512_set1_ps(16.f)) : _mm512_set1_ps(1.f);
-    for (int r = 0; r < R; ++r) {
-      const __m512i off = _mm512_set1_epi32((Q4 ? 8 : 128) * xsum[r * nb + blk]);
-      const __m512 xsv = _mm512_set1_ps(xs[r * nb + blk]);
-      for (int j = 0; j < P; ++j) {
-        __m512i sum = s[r][j];
-        if constexpr (A16) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7), t[r][j]);
-        const __m512 sumf = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, off));
-        f[r][j] = _mm512_fmadd_ps(sumf, Q4 ? _mm512_mul_ps(g[j], xsv) : xsv, f[r][j]);
-      }
-    }
+    for (int j = 0; j < P; ++j) g[j] = block_scale512<Q4>(gs + j * ldg + blk * NR);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < P; ++j)
+        f[r][j] = add_block512<Q4, A16>(s[r][j], t[A16 ? r : 0][j], xsum[r * nb + blk], xs[r * nb + blk], g[j], f[r][j]);
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) _mm512_storeu_ps(acc + j * lda + r * NR, f[r][j]);
@@ -1005,8 +1016,7 @@ void linear_tiles_a8(const QuantX& qx, int64_t M, const void* wa, int64_t K, int
         const int64_t kc = std::min(KC, K - k0);
         const uint8_t* w = w8 + p0 * ldw + k0 * (Q4 ? NR / 2 : NR);
         const uint16_t* g = Q4 ? gs + p0 * ldg + (k0 / G4) * NR : nullptr;
-        for (int64_t b = 0, m = 0; b < nrb; ++b) {
-          const int64_t r = (M - m) / (nrb - b);
+        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
           const int8_t* x = xi.data() + k0 * M + 4 * m;
           const int8_t* xl = A16 ? xli.data() + k0 * M + 4 * m : nullptr;
           const float* xs = qx.s.data() + m * nb + k0 / QB;
@@ -1017,8 +1027,7 @@ void linear_tiles_a8(const QuantX& qx, int64_t M, const void* wa, int64_t K, int
           else
             tile_rows_a8<1, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
                                      k0 == 0);
-          m += r;
-        }
+        });
       }
       for (int64_t j = 0; j < np; ++j) {
         const int64_t p = p0 + j;
