@@ -224,6 +224,47 @@ def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_mo
     assert not any(isinstance(m, PackedLinear) for m in tiny_models["llama"].modules())
 
 
+def test_huge_page_arena_holds_the_same_bytes_end_to_end_from_a_2mb_boundary(monkeypatch):
+    import mmap
+
+    ts = [torch.randn(5, 7), torch.randint(-127, 128, (3, 100), dtype=torch.int8), torch.randn(9).bfloat16(),
+          torch.randint(0, 255, (4, 33), dtype=torch.uint8)]
+    got = kernels.huge_page_arena(ts)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(ts, got))
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        assert all(a is b for a, b in zip(ts, got))  # no such advice here: the tensors as they were
+        return
+    ptrs = [t.data_ptr() for t in got]
+    assert ptrs[0] % kernels.HUGE_PAGE == 0 and all(p % kernels.ARENA_ALIGN == 0 for p in ptrs)
+    assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < kernels.HUGE_PAGE  # one buffer, in the order given
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+    monkeypatch.setenv("SKIPDECODE_HUGEPAGES", "0")
+    assert all(a is b for a, b in zip(ts, kernels.huge_page_arena(ts)))
+
+
+@needs_kernels
+def test_a_packed_model_decodes_the_same_from_its_huge_page_arena(tiny_dirs, monkeypatch):
+    import mmap
+
+    from skipdecode.checkpoint import load_model
+
+    net = load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int8")
+    monkeypatch.setenv("SKIPDECODE_HUGEPAGES", "0")
+    plain = load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int8")
+    panels = [m.packed for m in net.modules() if isinstance(m, PackedLinear)]
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert len({t.untyped_storage().data_ptr() for t in panels}) == 1  # every panel in one arena
+    from skipdecode.generate import generate_tokens
+    from skipdecode.schedule import SkipSchedule
+
+    L = net.cfg.n_layers
+    sched = SkipSchedule(L, L, 2, horizon=5, warmup_layers=1)
+    prompts = [[1, 5, 9, 3, 4, 7], [2, 8, 6]]
+    a, _ = generate_tokens(net, prompts, sched, 8)
+    b, _ = generate_tokens(plain, prompts, sched, 8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
 @needs_kernels
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, heads, kv_heads):

@@ -574,3 +574,43 @@ def test_training_record_reads_back_what_a_run_writes_and_refuses_what_is_not_on
     assert rec.num_layers == 8 and rec.skipdecode_training
     with pytest.raises(TrainError, match="not a training record"):
         TrainingRecord.from_json({"schedules": {}})
+
+
+def test_int4_round_trip_forwards_the_q4_0_rounding_and_passes_gradients_straight_through():
+    from skipdecode.model import dequantize_int4, quantize_int4
+    from skipdecode.training.qat import Int4RoundTrip
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    y = Int4RoundTrip()(w)
+    assert torch.equal(y.detach(), dequantize_int4(*quantize_int4(w.detach())))
+    assert not torch.equal(y.detach(), w.detach())
+    g = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    y.backward(g)
+    assert torch.equal(w.grad, g)
+
+
+def test_int4_qat_keeps_the_models_layer_order_and_writes_weights_int4_rounds_to_themselves(tmp_path, tiny_text,
+                                                                                            e2e_csv):
+    from skipdecode.model import dequantize_int4, quantize_int4
+
+    nested = tmp_path / "nested"
+    train(_run_cfg(tiny_text, e2e_csv, nested, steps=1, mode="nested", importance_examples=8, eval_examples=0))
+    order = json.loads((nested / "skipdecode.json").read_text())["schedules"]["3x"]["layer_order"]
+    out = tmp_path / "qat"
+    r = train(_run_cfg(nested, e2e_csv, out, steps=3, mode="nested", importance="model", qat="int4", lr=1e-2))
+    meta = json.loads((out / "skipdecode.json").read_text())
+    assert meta["schedules"]["3x"]["layer_order"] == order and meta["config"]["qat"] == "int4"
+    assert set(r.validation_loss) == {"1x", "3x"}
+    before, after = weights(nested), weights(out)
+    block = [k for k in after if ".layers." in k and k.endswith("proj.weight")]
+    assert len(block) == 8 * 7  # q, k, v, o, gate, up, down of every layer
+    for k in block:  # each is its own int4 rounding: --dtype int4 runs exactly the weights trained through
+        assert torch.equal(dequantize_int4(*quantize_int4(after[k])), after[k]), k
+    assert sum(not torch.equal(before[k], after[k]) for k in block) > len(block) // 2
+    from skipdecode.bench.dtype_parity import reference_model
+
+    assert reference_model(str(out)) == str(nested.resolve())  # held against the fp32 it was made from
+    with pytest.raises(TrainError, match="records none"):
+        train(_run_cfg(tiny_text, e2e_csv, tmp_path / "x", steps=1, mode="nested", importance="model"))
+    with pytest.raises(TrainError, match="drop --lora"):
+        _run_cfg(nested, e2e_csv, tmp_path / "y", qat="int4", lora=True).validate()

@@ -12,6 +12,7 @@ Every kernel is checked against plain torch in ``tests/test_kernels.py``.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import shutil
 import sys
@@ -137,6 +138,43 @@ def a8_form() -> str:
     if amx not in ("0", "1"):
         raise ValueError(f"SKIPDECODE_AMX must be 0 or 1, got {amx!r}")
     return "amx" if amx == "1" and {"amx_tile", "amx_int8"} <= have else "vnni"
+
+
+HUGE_PAGE = 2 << 20  # x86-64's large page: one TLB entry maps 512 small ones
+ARENA_ALIGN = 64  # each tensor in the arena starts on a cache line
+
+
+def huge_page_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` laid end to end in one buffer that Linux is asked to back with
+    2 MB pages (``MADV_HUGEPAGE``; transparent huge pages are commonly in ``madvise`` mode).
+
+    Why: a decode step streams every packed weight once. On 4 KB pages that is a TLB miss
+    every 4 KB (a 135 MB int8 model: 33,000 per step) and the hardware prefetchers stop at
+    every page boundary; 2 MB pages make both 512 times rarer. One arena rather than a mapping
+    per tensor: a layer's small weights (0.3-2 MB) would each round up to whole 2 MB pages.
+    The bytes are the same, so every output is the same. Where the OS has no such advice
+    (not Linux), or ``SKIPDECODE_HUGEPAGES=0``, the tensors are returned as they are."""
+    if (not tensors or os.environ.get("SKIPDECODE_HUGEPAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE")
+            or not hasattr(mmap, "MAP_PRIVATE")):
+        return list(tensors)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    size = -(-total // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a 2 MB boundary
+    try:
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are faulted in 2 MB at a time
+    except OSError:
+        return list(tensors)
+    base = torch.frombuffer(buf, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    start = (-base.data_ptr()) % HUGE_PAGE
+    out = []
+    for t, off in zip(tensors, offsets):
+        view = base[start + off: start + off + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+    return out
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

@@ -518,12 +518,23 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Block)):
                 m.kernels = k
+        self._weights_on_huge_pages()
         for block in self.layers:
             block._fuse()
         self.kernels = k
         self.weights = weights
         self.build_layer_stack()
         return self
+
+    def _weights_on_huge_pages(self) -> None:
+        """Move the compiled kernels' panels and scales, in the order a step reads them, into one
+        arena on 2 MB pages (``kernels.huge_page_arena``): the same bytes, fewer TLB misses."""
+        linears = [getattr(b, n) for b in self.layers for n in ("wqkv", "wo", "w13", "w2")]
+        linears += [m for m in (self.lm_head, self.draft_head) if m is not None]
+        slots = [(m, a) for m in linears if isinstance(m, PackedLinear) for a in ("packed", "panel_scales")
+                 if getattr(m, a) is not None]
+        for (m, a), t in zip(slots, kernels.huge_page_arena([getattr(m, a) for m, a in slots])):
+            setattr(m, a, t)
 
     def build_layer_stack(self) -> None:
         """Gather the fused layers' fixed arguments into one ``kernels.LayerStack`` (from the

@@ -42,11 +42,16 @@ def against_reference(runs: dict[str, dict[str, Any]], ref: dict[str, Any]) -> d
 
 def reference_model(model: str) -> str:
     """The model whose fp32 outputs the dtypes are held against: ``model`` itself, or, for a
-    checkpoint whose block linears ``skipdecode awq --rounding gptq`` rounded to int4 values (its
-    fp32 then computes the int4 model), the model it was made from."""
+    checkpoint whose block linears hold int4 values (its fp32 then computes the int4 model:
+    ``skipdecode awq --rounding gptq``'s output, or a ``skipdecode train --qat int4`` run), the
+    model it was made from (for a run, its base model's own reference)."""
     meta = resolve(model) / "skipdecode.json"
     info = json.loads(meta.read_text()) if meta.is_file() else {}
-    return info["awq"]["source"] if "gptq" in info and "source" in info.get("awq", {}) else model
+    if "gptq" in info and "source" in info.get("awq", {}):
+        return info["awq"]["source"]
+    if info.get("config", {}).get("qat", "no") != "no" and info.get("base_model"):
+        return reference_model(info["base_model"])
+    return model
 
 
 def run_dtype_parity(model: str = "default-e2e", out_dir: str | Path = "benchmarks/results",

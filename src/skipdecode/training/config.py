@@ -21,7 +21,7 @@ MIXED_PRECISION = ("no", "bf16")
 _RESUME_KEYS = ("model", "data", "speedups", "schedule_file", "mode", "importance", "importance_examples",
                 "warmup_layers",
                 "horizon", "decay",
-                "expected_new_tokens", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
+                "expected_new_tokens", "lora", "qat", "lora_r", "lora_alpha", "lora_dropout", "lora_norms", "steps", "epochs",
                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "min_lr_ratio",
                 "max_grad_norm", "seed", "split_seed", "max_length", "val_groups", "chat", "fsdp", "distill",
                 "distill_temperature", "mixed_precision", "augment_names")
@@ -59,8 +59,10 @@ class TrainConfig:
                              "influential ones, measured on the training data before training)",
                      choices=["skip", "early_exit", "nested"])
     importance: str = _opt("influence", "mode nested: how the layer order is measured: influence (Block Influence, "
-                                        "1 - cos of a layer's input and output) or removal (greedy removal by "
-                                        "answer loss, SLEB-style; minutes)", choices=["influence", "removal"])
+                                        "1 - cos of a layer's input and output), removal (greedy removal by "
+                                        "answer loss, SLEB-style; minutes), or model (kept from a model "
+                                        "trained nested: the order in its skipdecode.json)",
+                           choices=["influence", "removal", "model"])
     importance_examples: int = _opt(64, "mode nested: training examples the layer order is measured on")
     warmup_layers: int = _opt(1, "layers every token runs before the skipped block")
     # self-distillation: the same model at full depth (no gradient) teaches each skipped step
@@ -78,6 +80,9 @@ class TrainConfig:
     lora_alpha: int = _opt(32, "LoRA alpha")
     lora_dropout: float = _opt(0.05, "LoRA dropout")
     lora_norms: bool = _opt(False, "LoRA: also train every norm's weight whole (a few KB per layer)")
+    qat: str = _opt("no", "int4: quantization-aware full fine-tuning; the block linears' forward uses their "
+                          "int4 rounding (--dtype int4's, Q4_0), gradients pass straight through, and the "
+                          "written weights are that rounding", choices=["no", "int4"])
     merge: bool = _opt(False, "LoRA: also write the merged full model to OUTPUT_DIR/merged")
     fsdp: bool = _opt(False, "under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of "
                              "replicating them (DDP); full fine-tuning")
@@ -151,8 +156,15 @@ class TrainConfig:
             raise E(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.mode not in ("skip", "early_exit", "nested"):
             raise E(f"mode must be 'skip', 'early_exit' or 'nested', got {self.mode!r}")
-        if self.importance not in ("influence", "removal"):
-            raise E(f"importance must be 'influence' or 'removal', got {self.importance!r}")
+        if self.importance not in ("influence", "removal", "model"):
+            raise E(f"importance must be 'influence', 'removal' or 'model', got {self.importance!r}")
+        if self.qat not in ("no", "int4"):
+            raise E(f"qat must be 'no' or 'int4', got {self.qat!r}")
+        if self.qat != "no" and self.lora:
+            raise E("--qat int4 trains every weight through its rounding; LoRA adapters merged afterwards would be "
+                    "rounded again, untrained: drop --lora")
+        if self.qat != "no" and self.fsdp:
+            raise E("--qat int4 rounds whole weights; --fsdp shards them: train unsharded (DDP: drop --fsdp)")
         if not self.schedule_file:
             if not isinstance(self.speedups, (list, tuple)) or not self.speedups:
                 raise E("give at least one speedup (e.g. speedups=[1, 2, 3]) or a schedule file")

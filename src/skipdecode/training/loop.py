@@ -73,6 +73,7 @@ from ..policies.importance import answer_influence, nested_order, removal_order
 from ..pull import PULLABLE
 from ..schedule import SkipSchedule
 from ..tokenization import load_tokenizer
+from . import qat
 from .augment import NameAugmenter, name_attributes
 from .batch import (
     _micro_batches,
@@ -117,8 +118,26 @@ def prepare_model(net: Transformer, cfg: TrainConfig) -> nn.Module:
     """Trainable parameters: all of them, or LoRA adapters on our fused linears (via peft)."""
     net.train()
     if not cfg.lora:
+        if cfg.qat == "int4":
+            qat.attach(net)
         return net.requires_grad_(True)
     return apply_lora(net, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.seed, norms=cfg.lora_norms)
+
+
+def model_layer_order(path: Path, name: str) -> tuple[int, ...]:
+    """The nested layer order a model was trained with (``--importance model``): the one its
+    ``skipdecode.json`` schedules share, so that further training keeps its layer sets."""
+    meta = path / "skipdecode.json"
+    orders = set()
+    if meta.is_file():
+        for s in json.loads(meta.read_text()).get("schedules", {}).values():
+            if s.get("layer_order"):
+                orders.add(tuple(s["layer_order"]))
+    if len(orders) != 1:
+        raise TrainError(f"--importance model keeps the layer order of a model trained with nested layer sets; "
+                         f"{name} records {'none' if not orders else 'several'} (measure one: --importance "
+                         f"influence or removal)")
+    return orders.pop()
 
 
 def base_transformer(model: nn.Module) -> Transformer:
@@ -302,6 +321,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
         if cfg.resume and saved.is_file():
             d = json.loads(saved.read_text())
             order, influence, removal_loss = tuple(d["layer_order"]), d.get("layer_influence"), d.get("removal_loss")
+        elif cfg.importance == "model":
+            order = model_layer_order(path, cfg.model)
         else:
             measured, t_measure = train_items[: cfg.importance_examples], time.perf_counter()
             if cfg.importance == "removal":
@@ -440,6 +461,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     elif env.world > 1:
         record.max_abs_diff_across_ranks = _rank_divergence(model)
     base = base_transformer(model)
+    if cfg.qat == "int4":
+        qat.detach(base)  # the rounded weights become the model's own: validated and written as int4 runs them
     val_loss = {}
     if env.main and val_items:
         for k, s in schedules.items():

@@ -1,0 +1,89 @@
+"""Decode steps with the packed weights on 2 MB pages (kernels.huge_page_arena) against the same
+weights on 4 KB pages (SKIPDECODE_HUGEPAGES=0), in one run: the model is loaded once each way and
+the two decode in interleaved rounds (best of each), on the same prompts; they must give the same
+tokens (the bytes are the same). Writes benchmarks/results/hugepages-ab.json.
+Run from the repository root: .venv/bin/python benchmarks/hugepages_ab.py [--case DTYPE:BATCH:SPEEDUP ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from skipdecode import LLM
+from skipdecode.bench.decode import PROMPTS, machine_info
+from skipdecode.generate import generate_tokens
+
+CASES = [("float32", 1, 1.0), ("int8", 1, 1.0), ("w8a8", 1, 1.0), ("int4", 1, 1.0), ("w4a8", 1, 1.0),
+         ("w8a16", 1, 1.0), ("w4a16", 1, 1.0), ("int8", 1, 3.0), ("float32", 8, 1.0), ("w4a8", 8, 1.0),
+         ("float32", 32, 1.0)]
+NEW_TOKENS, ROUNDS = 64, 8
+OUT = Path("benchmarks/results/hugepages-ab.json")
+
+
+def anon_huge_kb() -> int | None:
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    return int(text.split("AnonHugePages:")[1].split()[0])
+
+
+def load(dtype: str, huge: bool) -> LLM:
+    os.environ["SKIPDECODE_HUGEPAGES"] = "1" if huge else "0"
+    try:
+        return LLM.load("default-e2e", dtype=dtype)
+    finally:
+        del os.environ["SKIPDECODE_HUGEPAGES"]
+
+
+def main() -> None:
+    args, cases = sys.argv[1:], []
+    while "--case" in args:
+        i = args.index("--case")
+        dtype, batch, speedup = args[i + 1].split(":")
+        cases.append((dtype, int(batch), float(speedup)))
+        del args[i:i + 2]
+    results = []
+    for dtype, batch, speedup in cases or CASES:
+        before = anon_huge_kb()
+        llms = {"4k": load(dtype, False)}
+        mid = anon_huge_kb()
+        llms["2m"] = load(dtype, True)
+        after = anon_huge_kb()
+        enc = [llms["4k"].encode(p) for p in PROMPTS]
+        ids = [enc[i % len(enc)] for i in range(batch)]
+        sched = llms["4k"].make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+        ms: dict[str, list[float]] = {"4k": [], "2m": []}
+        tokens = {}
+        for rnd in range(ROUNDS + 1):  # the first round warms up; the order alternates between rounds
+            for name in ("4k", "2m")[::1 if rnd % 2 else -1]:
+                rows, st = generate_tokens(llms[name].model, ids, sched, NEW_TOKENS, eos_token_ids=())
+                ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
+                tokens[name] = [r.token_ids for r in rows]
+        if tokens["4k"] != tokens["2m"]:
+            raise SystemExit(f"{dtype} batch {batch}: the two decode different tokens")
+        best = {k: min(v[1:]) for k, v in ms.items()}
+        r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_4k_pages": round(best["4k"], 3),
+             "ms_per_step_2m_pages": round(best["2m"], 3),
+             "2m_over_4k_tokens_per_s": round(best["4k"] / best["2m"], 3),
+             "anon_huge_pages_mb_added": None if after is None else
+             {"4k load": round((mid - before) / 1024, 1), "2m load": round((after - mid) / 1024, 1)}}
+        results.append(r)
+        print(f"{dtype:8s} B={batch:<2} {speedup:g}x  4k {best['4k']:6.2f}  2m {best['2m']:6.2f} ms/step  "
+              f"{r['2m_over_4k_tokens_per_s']:.3f}x  {r['anon_huge_pages_mb_added']}", flush=True)
+        del llms
+    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
+              "timing": "decode steps after the first token, best of the rounds, the two interleaved (order alternating)",
+              "command": "python benchmarks/hugepages_ab.py " + " ".join(sys.argv[1:]), "results": results}
+    OUT.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
