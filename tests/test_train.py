@@ -464,10 +464,11 @@ def test_cli_reports_malformed_data(tmp_path, tiny_text, capsys):
 
 
 # -- fault tolerance ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("lora,fault", [(False, "kill_after_step=5"), (True, "kill_in_save=6")])
-def test_sigkill_then_resume_reaches_the_same_weights(tmp_path, tiny_text, e2e_csv, lora, fault):
+@pytest.mark.parametrize("lora,qat,fault", [(False, "no", "kill_after_step=5"), (True, "no", "kill_in_save=6"),
+                                             (False, "int4", "kill_after_step=5")])
+def test_sigkill_then_resume_reaches_the_same_weights(tmp_path, tiny_text, e2e_csv, lora, qat, fault):
     common = dict(steps=8, save_every=2, seed=3, speedups=[1.0, 2.0, 3.0], lr=1e-3, eval_examples=0,
-                  lora=lora, lora_r=4, lora_dropout=0.2)
+                  lora=lora, lora_r=4, lora_dropout=0.2, qat=qat)
     ref = tmp_path / "ref"
     train(_run_cfg(tiny_text, e2e_csv, ref, **common))
 
@@ -477,6 +478,7 @@ def test_sigkill_then_resume_reaches_the_same_weights(tmp_path, tiny_text, e2e_c
            "--val-groups", "1", "--save-every", "2", "--seed", "3", "--eval-examples", "0", "--no-progress"]
     if lora:
         cmd += ["--lora", "--lora-r", "4", "--lora-dropout", "0.2"]
+    cmd += ["--qat", qat]
     env = dict(os.environ, SKIPDECODE_FAULT=fault, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]

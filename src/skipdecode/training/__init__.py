@@ -5,7 +5,8 @@
   (cross-entropy, optional self-distillation), the data order;
 - ``loop``: ``train()`` (see its module docstring for the alignment and fault tolerance);
 - ``state``: checkpoints (atomic, weights-only) and the run directory;
-- ``dist``: torchrun processes, DDP and FSDP2.
+- ``dist``: torchrun processes, DDP and FSDP2;
+- ``qat``: int4 quantization-aware training (block linears forward through their int4 rounding).
 """
 
 from .batch import IGNORE, Batch, active_lengths, batch_loss_sum, batch_objective, global_batch_indices, make_batch

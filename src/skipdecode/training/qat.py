@@ -18,7 +18,6 @@ from torch.nn.utils import parametrize
 from .. import kernels
 from ..model import Transformer, dequantize_int4, quantize_int4
 
-QAT_FORMATS = ("no", "int4")
 BLOCK_LINEARS = ("wqkv", "wo", "w13", "w2")  # the linears --dtype int4 rounds (the LM head stays int8)
 
 
