@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 
+from kernel_ab import NEW_TOKENS, ROUNDS, interleaved, parse_cases  # the same cases and timing
 from skipdecode import LLM
 from skipdecode.bench.decode import PROMPTS, machine_info
-from skipdecode.generate import generate_tokens
 
 CASES = [("float32", 1, 1.0), ("int8", 1, 1.0), ("w8a8", 1, 1.0), ("int4", 1, 1.0), ("w4a8", 1, 1.0),
          ("w8a16", 1, 1.0), ("w4a16", 1, 1.0), ("int8", 1, 3.0), ("float32", 8, 1.0), ("w4a8", 8, 1.0),
          ("float32", 32, 1.0)]
-NEW_TOKENS, ROUNDS = 64, 8
 OUT = Path("benchmarks/results/hugepages-ab.json")
 
 
@@ -42,12 +41,7 @@ def load(dtype: str, huge: bool) -> LLM:
 
 
 def main() -> None:
-    args, cases = sys.argv[1:], []
-    while "--case" in args:
-        i = args.index("--case")
-        dtype, batch, speedup = args[i + 1].split(":")
-        cases.append((dtype, int(batch), float(speedup)))
-        del args[i:i + 2]
+    _, cases = parse_cases(sys.argv[1:])
     results = []
     for dtype, batch, speedup in cases or CASES:
         before = anon_huge_kb()
@@ -58,16 +52,9 @@ def main() -> None:
         enc = [llms["4k"].encode(p) for p in PROMPTS]
         ids = [enc[i % len(enc)] for i in range(batch)]
         sched = llms["4k"].make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
-        ms: dict[str, list[float]] = {"4k": [], "2m": []}
-        tokens = {}
-        for rnd in range(ROUNDS + 1):  # the first round warms up; the order alternates between rounds
-            for name in ("4k", "2m")[::1 if rnd % 2 else -1]:
-                rows, st = generate_tokens(llms[name].model, ids, sched, NEW_TOKENS, eos_token_ids=())
-                ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
-                tokens[name] = [r.token_ids for r in rows]
+        best, tokens = interleaved({name: (lambda m=llm.model: m) for name, llm in llms.items()}, ids, sched)
         if tokens["4k"] != tokens["2m"]:
             raise SystemExit(f"{dtype} batch {batch}: the two decode different tokens")
-        best = {k: min(v[1:]) for k, v in ms.items()}
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_4k_pages": round(best["4k"], 3),
              "ms_per_step_2m_pages": round(best["2m"], 3),
              "2m_over_4k_tokens_per_s": round(best["4k"] / best["2m"], 3),

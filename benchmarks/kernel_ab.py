@@ -39,15 +39,34 @@ def build_other(source: Path):
     return kernels.configure(build(name=f"skipdecode_kernels_ab_{tag}", sources=[str(source)], **kernels.BUILD_FLAGS))
 
 
-def main() -> None:
-    args, cases = sys.argv[1:], []
-    rounds_differ = "--rounds-differ" in args
-    args = [a for a in args if a != "--rounds-differ"]
+def parse_cases(args: list[str]) -> tuple[list[str], list[tuple[str, int, float]]]:
+    """The ``--case DTYPE:BATCH:SPEEDUP`` options of ``args`` (repeatable) and the arguments left."""
+    args, cases = list(args), []
     while "--case" in args:
         i = args.index("--case")
         dtype, batch, speedup = args[i + 1].split(":")
         cases.append((dtype, int(batch), float(speedup)))
         del args[i:i + 2]
+    return args, cases
+
+
+def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS) -> tuple[dict[str, float], dict[str, list]]:
+    """Decode ``ids`` with ``sched`` on each of ``runs`` (name -> a callable that readies and returns
+    the model) in turn, ``rounds`` times after a warm-up round, the order alternating between
+    rounds: each run's best ms per decode step (after the first token) and its rows' tokens."""
+    ms: dict[str, list[float]] = {name: [] for name in runs}
+    tokens = {}
+    for rnd in range(rounds + 1):
+        for name in list(runs)[::1 if rnd % 2 else -1]:
+            rows, st = generate_tokens(runs[name](), ids, sched, NEW_TOKENS, eos_token_ids=())
+            ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
+            tokens[name] = [r.token_ids for r in rows]
+    return {name: min(v[1:]) for name, v in ms.items()}, tokens
+
+
+def main() -> None:
+    rounds_differ = "--rounds-differ" in sys.argv[1:]
+    args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
     other_src, out = Path(args[0]), Path(args[1]) if len(args) > 1 else None
     this, other = kernels.load(), build_other(other_src)
     results = []
@@ -57,20 +76,19 @@ def main() -> None:
         enc = [llm.encode(p) for p in PROMPTS]
         ids = [enc[i % len(enc)] for i in range(batch)]
         sched = llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
-        ms: dict[str, list[float]] = {"this": [], "other": []}
-        tokens = {}
-        for rnd in range(ROUNDS + 1):  # the first round warms up; the order alternates between rounds
-            for name, mod in (("other", other), ("this", this))[::1 if rnd % 2 else -1]:
+
+        def on(mod):
+            def ready():
                 for block in net.layers:
                     block.kernels = mod
                 net.build_layer_stack()  # the step's one stack call on these kernels
-                rows, st = generate_tokens(net, ids, sched, NEW_TOKENS, eos_token_ids=())
-                ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
-                tokens[name] = [r.token_ids for r in rows]
+                return net
+            return ready
+
+        best, tokens = interleaved({"other": on(other), "this": on(this)}, ids, sched)
         same_rows = sum(a == b for a, b in zip(tokens["this"], tokens["other"]))
         if same_rows < batch and not rounds_differ:
             raise SystemExit(f"{dtype} batch {batch} {speedup:g}x: the two kernel versions decode different tokens")
-        best = {k: min(v[1:]) for k, v in ms.items()}
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
              "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
              round(best["other"] / best["this"], 3), "rows_with_the_same_tokens": same_rows}

@@ -41,10 +41,9 @@ def rounded_linears(net: Transformer) -> list[nn.Linear]:
     return out
 
 
-def attach(net: Transformer) -> int:
-    """Train ``net``'s block linears through int4 rounding; returns how many linears that is."""
-    lins = rounded_linears(net)
-    for lin in lins:
+def attach(net: Transformer) -> None:
+    """Train ``net``'s block linears through int4 rounding."""
+    for lin in rounded_linears(net):
         if not parametrize.is_parametrized(lin, "weight"):
             parametrize.register_parametrization(lin, "weight", Int4RoundTrip())
     return len(lins)
