@@ -46,7 +46,6 @@ def attach(net: Transformer) -> None:
     for lin in rounded_linears(net):
         if not parametrize.is_parametrized(lin, "weight"):
             parametrize.register_parametrization(lin, "weight", Int4RoundTrip())
-    return len(lins)
 
 
 def detach(net: Transformer) -> None:
