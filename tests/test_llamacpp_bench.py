@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from skipdecode.bench import llamacpp
-from skipdecode.bench.llamacpp import LlamaCppMissing, llamacpp_paths, read_bandwidth_gbs, step_bytes
+from skipdecode.bench.llamacpp import (LlamaCppMissing, llamacpp_paths, read_bandwidth_gbs, same_precision_lines,
+                                       step_bytes)
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-llamacpp"
 
@@ -118,3 +119,17 @@ def test_llamacpp_avx2_build_runs_without_avx512_and_decodes_the_same_tokens(def
     info = got["build-avx2"]["system_info"]
     assert "AVX2 = 1" in info and "AVX512" not in info.replace("AVX512 = 0", ""), info
     assert got["build-avx2"]["tokens"] == got["build"]["tokens"]
+
+
+def test_the_report_holds_only_same_activation_dtypes_against_q8_0_and_q4_0_in_its_same_precision_table():
+    def row(engine, batch, vs, target=1.0):
+        return {"engine": engine, "batch_size": batch, "speedup_target": target, "vs_llamacpp": "x",
+                "tokens_per_s_vs_llamacpp": vs}
+
+    rows = [row("skipdecode", 1, 1.17), row("skipdecode-int8", 1, 1.86), row("skipdecode-w8a8", 1, 1.72),
+            row("skipdecode-w4a8", 8, 2.46), row("skipdecode-int4", 8, 1.51), row("skipdecode-w8a8", 1, 3.97, 3.0),
+            {"engine": "llama.cpp-f32", "batch_size": 1, "speedup_target": 1.0}]
+    lines = same_precision_lines(rows)
+    assert lines[3] == "| batch | float32 / f32 | w8a8 / q8_0 | w4a8 / q4_0 |"
+    assert lines[5:] == ["| 1 | 1.17x | 1.72x |  |", "| 8 |  |  | 2.46x |"]  # int8 / int4 and 3x rows left out
+    assert same_precision_lines([row("skipdecode-int4", 1, 1.63)]) == []

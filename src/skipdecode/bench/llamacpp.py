@@ -40,6 +40,9 @@ from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, writ
 # w8a16 and w4a16 keep 15 bits)
 PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "w8a16": "q8_0",
              "int4": "q4_0", "w4a8": "q4_0", "w4a16": "q4_0"}
+# The dtypes that match their peer in activations too: llama.cpp's CPU dot products take Q8_0
+# activations for Q8_0 and Q4_0 weights (ggml-cpu's vec_dot_type) and fp32 ones for F32.
+SAME_ACTIVATIONS = ("float32", "w8a8", "w4a8")
 LLAMACPP_VENV = ".venv-llamacpp"
 GGUF_CACHE = "llamacpp"  # the GGUFs this bench makes live in $SKIPDECODE_CACHE/llamacpp/<model>
 
@@ -326,8 +329,29 @@ def render_markdown(report: dict) -> str:
               if "read_gbs" in r else " | | ")
         lines.append(f"| {r['batch_size']} | {r['engine']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} "
                      f"| {r['ms_per_step']:.2f} | {r['decode_tokens_per_s']:.1f} | {vs} | {bw} |")
+    lines += same_precision_lines(report["results"])
     lines += ["", "Schedules (solved for the new-token count above):", ""]
     for sp, d in s["schedules"].items():
         lines.append(f"- {float(sp):g}x: budget {d['max_exit_layer']} -> {d['min_exit_layer']} over "
                      f"{d['horizon']} positions, {d['warmup_layers']} warm-up layer(s), mode {d['mode']}")
     return "\n".join(lines) + "\n"
+
+
+def same_precision_lines(results: list[dict]) -> list[str]:
+    """The full-depth rows against the llama.cpp type of the same weight *and* activation precision
+    (SAME_ACTIVATIONS), one line per batch size: int8 / int4 keep fp32 activations where Q8_0 and
+    Q4_0 round theirs to 8 bits, so only w8a8 / w4a8 compute what those do."""
+    engines = {ENGINE_NAMES[d]: d for d in SAME_ACTIVATIONS}
+    rows = [r for r in results if r["engine"] in engines and r["speedup_target"] == 1 and "vs_llamacpp" in r]
+    if not rows:
+        return []
+    dts = [d for d in SAME_ACTIVATIONS if any(engines[r["engine"]] == d for r in rows)]
+    out = ["", "Full depth at the same weight and activation precision (llama.cpp's Q8_0 and Q4_0 dot products "
+           "round activations to 8 bits in blocks of 32, as w8a8 and w4a8 do; F32 and float32 keep fp32; "
+           "int8 and int4 keep fp32 activations, w8a16 and w4a16 15 bits), skipdecode's decode tok/s over llama.cpp's:",
+           "", "| batch | " + " | ".join(f"{d} / {PEER_TYPE[d]}" for d in dts) + " |",
+           "|---|" + "---|" * len(dts)]
+    for b in sorted({r["batch_size"] for r in rows}):
+        cell = {engines[r["engine"]]: r["tokens_per_s_vs_llamacpp"] for r in rows if r["batch_size"] == b}
+        out.append(f"| {b} | " + " | ".join(f"{cell[d]:.2f}x" if d in cell else "" for d in dts) + " |")
+    return out
