@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from skipdecode import LLM
-from skipdecode.bench.decode import machine_info
+from skipdecode.bench.decode import layer_linears, machine_info
 from skipdecode.bench.llamacpp import read_bandwidth_gbs
 
 DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
@@ -48,11 +48,11 @@ def _best(fns: dict, rounds: int = ROUNDS) -> dict[str, float]:
 
 def measure(dtype: str, rows: int) -> dict:
     net = LLM.load("default-e2e", dtype=dtype).model
-    mods = [(blk, m) for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)]
-    calls = [m.panels if blk.fuses(rows) else m for blk, m in mods]
-    xs = [torch.randn(rows, 1, m.in_features) for _, m in mods]
-    nbytes = sum(t.nbytes for _, m in mods for t in (m.packed, m.panel_scales) if t is not None)
-    flops = 2 * rows * sum(m.in_features * m.out_features for _, m in mods)
+    linears = layer_linears(net, rows)
+    mods, calls = [m for m, _ in linears], [c for _, c in linears]
+    xs = [torch.randn(rows, 1, m.in_features) for m in mods]
+    nbytes = sum(t.nbytes for m in mods for t in (m.packed, m.panel_scales) if t is not None)
+    flops = 2 * rows * sum(m.in_features * m.out_features for m in mods)
     layers = len(net.layers)
 
     def streamed() -> None:

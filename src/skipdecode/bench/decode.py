@@ -85,6 +85,12 @@ def write_report(out_dir: str | os.PathLike, name: str, report: dict, render) ->
     print(f"wrote {out / name}.json and .md", flush=True)
 
 
+def layer_linears(net, rows: int) -> list[tuple[torch.nn.Module, Callable]]:
+    """Every decode layer's linears, in layer order, each with the callable a step of ``rows`` rows
+    runs it by: the fused layer's panels where the layer is fused, else the module."""
+    return [(m, m.panels if blk.fuses(rows) else m) for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)]
+
+
 class _Ours:
     def __init__(self, llm: LLM, ids: list[list[int]]):
         self.llm, self.ids = llm, ids
@@ -99,9 +105,7 @@ class _Ours:
         layer's linears and the LM head, same kernels and shapes, no attention,
         norms or activations), warmed up: timed, the floor under a full-depth step."""
         net, B = self.llm.model, len(self.ids)
-        # each linear in the form the step runs it: the fused layer's panels where it is fused
-        calls = [(m, m.panels if blk.fuses(B) else m) for blk in net.layers
-                 for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [(net.lm_head, net.lm_head)]
+        calls = layer_linears(net, B) + [(net.lm_head, net.lm_head)]
         xs = [torch.randn(B, 1, m.in_features) for m, _ in calls]
 
         def f() -> None:
