@@ -166,3 +166,40 @@ def test_pool_reservation_is_all_or_nothing():
     assert r is not None and pool.usage() == [0.5, 1.0]
     pool.release(r)
     assert pool.used_slots == 0
+
+
+def _staggered(model, prompts, scheds, fresh_table: bool) -> tuple[dict[int, list[int]], int, int]:
+    """Request 0 alone, 1 joins at step 2 and finishes first, 2 joins at step 4; with
+    ``fresh_table`` the runner rebuilds its slot table every step."""
+    eng = Engine(model, EngineConfig(kv_slots=200))
+    finished, keys, step = {}, [], 0
+    eng.add_request(prompts[0], schedule=scheds[0], max_new_tokens=NEW, request_id="0")
+    while eng.has_unfinished():
+        if step == 2:
+            eng.add_request(prompts[1], schedule=scheds[1], max_new_tokens=4, request_id="1")
+        if step == 4:
+            eng.add_request(prompts[2], schedule=scheds[2], max_new_tokens=7, request_id="2")
+        if fresh_table:
+            eng.runner._slot_key = ()
+        for o in eng.step():
+            if o.finished:
+                finished[int(o.request_id)] = o.token_ids
+        if eng.runner._slots is not None and not any(eng.runner._slots is k for k in keys):
+            keys.append(eng.runner._slots)  # held, so no two tables share an id
+        step += 1
+    return finished, len(keys), step
+
+
+def test_a_steps_slot_table_follows_its_rows_reservations(tiny_packed):
+    """The runner keeps the step's slot table while its rows keep their reservations and writes
+    only the lengths; a change of rows (a request joins or finishes) rebuilds it. Requests that
+    join and leave a batch get the same tokens as with the table rebuilt every step."""
+    model = tiny_packed["llama"]
+    L = model.n_layers
+    prompts = _prompts(seed=3)
+    scheds = [SkipSchedule.full_depth(L), SkipSchedule(L, L, 2, horizon=6), SkipSchedule.full_depth(L)]
+    kept, tables, steps = _staggered(model, prompts, scheds, fresh_table=False)
+    fresh, fresh_tables, _ = _staggered(model, prompts, scheds, fresh_table=True)
+    assert kept == fresh and sorted(kept) == [0, 1, 2]
+    assert 4 <= tables < steps - 2, "rebuilt when the rows change, not every step"
+    assert fresh_tables >= steps - 2

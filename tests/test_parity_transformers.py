@@ -151,3 +151,18 @@ def test_default_model_greedy_matches_transformers(default_llm):
             ref = hf(torch.tensor([p + row.token_ids[:-1]])).logits[0, -1]
         diff = (state["chose"][r] - ref).abs().max().item()
         assert diff <= ATOL, f"prompt {r}: last-step max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2"])
+def test_a_decode_steps_rope_lookup_equals_computing_it(arch, dtype, tiny_models):
+    """Decode steps read RoPE from a table (``_rope_lookup``); every value equals what ``_rope``
+    computes for the same positions, bit for bit, past the table's first size (it grows)."""
+    net = tiny_models[arch]
+    for positions in (torch.tensor([[0]]), torch.tensor([[5], [0], [1023], [17]]), torch.tensor([[1024], [3000]])):
+        got = net._rope_lookup(positions, dtype)
+        want = net._rope(positions, dtype)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert torch.equal(g, w)
+    assert net._rope_tables[dtype][2].shape[0] == 4096

@@ -475,6 +475,7 @@ class Transformer(nn.Module):
         self._stack = self._stack_kernels = None  # the fused layers as one kernel call (build_layer_stack)
         self._stack_plan: tuple[bool, ...] = ()  # per row-count bucket: every layer fuses
         self._stack_layers: tuple = ()  # the blocks the stack was built from, in order
+        self._rope_tables: dict = {}  # per dtype: _rope's values for positions 0..n-1 (_rope_lookup)
 
     @property
     def n_layers(self) -> int:
@@ -579,6 +580,17 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (B, T, 1, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _rope_lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_rope``'s tables by lookup, for a decode step: rows of a table ``_rope`` computed for
+        positions 0..n-1 (grown by doubling, rebuilt if ``inv_freq`` changes), so a step indexes
+        two tensors instead of running six ops. The same values (tests/test_model.py)."""
+        n = int(positions.max()) + 1
+        t = self._rope_tables.get(dtype)
+        if t is None or t[0] is not self.inv_freq or t[1] != self.inv_freq._version or t[2].shape[0] < n:
+            cos, sin = self._rope(torch.arange(max(1024, 1 << (n - 1).bit_length()))[None], dtype)
+            t = self._rope_tables[dtype] = (self.inv_freq, self.inv_freq._version, cos[0], sin[0])
+        return t[2][positions], t[3][positions]
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -642,7 +654,7 @@ class Transformer(nn.Module):
         drafts[r]: for a lossless request's draft, the extra token ids it scores
         (``draft_logits``); None for a row that needs every logit.
         """
-        x, rope = self.embed(tokens[:, None], positions[:, None])  # (R, 1, dim)
+        x, rope = self.embed(tokens[:, None], positions[:, None], lookup=True)  # (R, 1, dim)
         runs = [l for l, lr in enumerate(layer_rows) if lr is not None]
         layers = list(self.layers)  # one pass over the ModuleList, not an indexed lookup per layer
         every = dispatch.bucket(x.shape[0])  # the kernel forms of a layer that runs every row
@@ -715,15 +727,18 @@ class Transformer(nn.Module):
                 out[r, ids] = (self._head_rows[ids].to(h.dtype) @ h[r, 0]).float()
         return out
 
-    def embed(self, tokens: torch.Tensor, positions: torch.Tensor
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor, lookup: bool = False
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Input hidden states ``(B, T, dim)`` and the RoPE tables (None for learned positions)."""
+        """Input hidden states ``(B, T, dim)`` and the RoPE tables (None for learned positions);
+        ``lookup``: the tables from ``_rope_lookup`` (a decode step's few positions)."""
         x = self.tok_emb(tokens)
         if self.project_in is not None:
             x = self.project_in(x)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions + self.cfg.pos_offset)
-        return x, (self._rope(positions, x.dtype) if self.cfg.pos == "rope" else None)
+        if self.cfg.pos != "rope":
+            return x, None
+        return x, (self._rope_lookup if lookup else self._rope)(positions, x.dtype)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection (OPT): what the LM head reads."""

@@ -1809,9 +1809,21 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xa + r * V;
+      // four independent max chains (a maximum does not depend on the order it is taken in)
       __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 m1 = mx, m2 = mx, m3 = mx;
       __m256 nan = _mm256_setzero_ps();
       int64_t i = 0;
+      for (; i + 32 <= V; i += 32) {
+        const __m256 v0 = _mm256_loadu_ps(xr + i), v1 = _mm256_loadu_ps(xr + i + 8);
+        const __m256 v2 = _mm256_loadu_ps(xr + i + 16), v3 = _mm256_loadu_ps(xr + i + 24);
+        mx = _mm256_max_ps(mx, v0);
+        m1 = _mm256_max_ps(m1, v1);
+        m2 = _mm256_max_ps(m2, v2);
+        m3 = _mm256_max_ps(m3, v3);
+        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(v0, v1, _CMP_UNORD_Q), _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q)));
+      }
+      mx = _mm256_max_ps(_mm256_max_ps(mx, m1), _mm256_max_ps(m2, m3));
       for (; i + 8 <= V; i += 8) {
         const __m256 v = _mm256_loadu_ps(xr + i);
         mx = _mm256_max_ps(mx, v);

@@ -20,6 +20,10 @@ class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool):
         self.model, self.pool = model, pool
         self._pools = pool.pools()
+        # The step's slot table (L, R, 2), kept while the rows' reservations stay the same (a
+        # batch keeps its requests for many steps): only the lengths change, in one op a step.
+        self._slot_key: tuple = ()
+        self._slots = self._per_layer = None
 
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[tuple[RequestState, int, int]]) -> list[torch.Tensor | None]:
@@ -52,16 +56,13 @@ class ModelRunner:
             rows += [(st, t, p0 + j) for j, t in enumerate([st.token_ids[-1], *st.drafts])]
         for st in plan.decode:  # the last sampled token, or a lossless round's last draft
             rows.append((st, st.drafts[-1] if st.drafts else st.token_ids[-1], st.prompt_len + st.fed_index))
-        tokens = torch.tensor([t for _, t, _ in rows])
-        positions = torch.tensor([p for _, _, p in rows])
+        tokens, positions = torch.tensor([[t for _, t, _ in rows], [p for _, _, p in rows]])
         # A row that runs layer l at this step ran it at every earlier step too
         # (budgets never increase; a lossless row's verified positions hold every
         # layer), so it holds prompt + steps-so-far + 1 slots there.
-        # slots[l, r] = (row r's first slot in layer l's pool, its length there), built in
-        # one op: each layer's rows are then a view, not a stack of their own
-        starts = torch.tensor([st.reservation.starts for st, _, _ in rows]).T  # (L, R)
-        slots = torch.stack([starts, (positions + 1).expand_as(starts)], 2)
-        per_layer = slots.unbind(0)  # every layer's (R, 2) view in one call, not an indexing op per layer
+        # slots[l, r] = (row r's first slot in layer l's pool, its length there): each layer's
+        # rows are a view of it, not a stack of their own
+        per_layer = self._slot_table([st.reservation for st, _, _ in rows], positions)
         layer_rows: list[LayerRows | None] = []
         for l, (n, idx) in enumerate(plan.layers):
             if n == 0:
@@ -76,3 +77,18 @@ class ModelRunner:
                                                             for st in plan.decode]
         with dispatch.single_row_forms() if plan.verify else nullcontext():
             return self.model.decode(tokens, positions, layer_rows, self._pools, drafts)
+
+    def _slot_table(self, reservations: list, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every layer's ``(R, 2)`` view of the slot table for rows with these reservations at
+        these positions. The starts are rebuilt only when the rows' reservations change (the
+        key holds the reservations themselves, so a freed one's address is never mistaken for
+        a new one's); the lengths are written in place each step. The views are read by the
+        step's kernels before the next step rewrites them."""
+        key = tuple(reservations)
+        if key != self._slot_key or self._slots is None:
+            starts = torch.tensor([r.starts for r in reservations]).T  # (L, R)
+            self._slots = torch.stack([starts, starts], 2)
+            self._per_layer = self._slots.unbind(0)  # every layer's view in one call
+            self._slot_key = key
+        self._slots[:, :, 1] = positions + 1
+        return self._per_layer

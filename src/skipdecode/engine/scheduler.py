@@ -32,6 +32,8 @@ Budgets, two policies:
 
 from __future__ import annotations
 
+import bisect
+
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -207,7 +209,8 @@ class Scheduler:
         partial = {k for k, b in zip(kinds, budgets) if b < L}  # a full-depth row runs every layer, whatever its kind
         if len(partial) <= 1:  # one family: each layer's rows are a leading block
             ranks = partial.pop() if partial else tuple(range(L))
-            return [(sum(b > ranks[l] for b in budgets), None) for l in range(L)]
+            neg = sorted(-b for b in budgets)  # rows with b > rank: those with -b < -rank
+            return [(bisect.bisect_left(neg, -ranks[l]), None) for l in range(L)]
         out = []
         for l in range(L):
             idx = [r for r, (ranks, b) in enumerate(zip(kinds, budgets)) if ranks[l] < b]
