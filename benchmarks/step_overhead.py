@@ -3,9 +3,10 @@
 The kernels are replaced by no-ops (each fused layer call and the layer stack's
 call return their input, the LM head a fixed row), so what is timed is the
 Python a step runs around them: one fused layer call, and the runner's and
-model's whole decode step at batch 1 (step plan to logits), with the layers as
-one stack call and as one call per layer, on `default-e2e` in w4a8. Best of 5 rounds.
-Run from the repository root: .venv/bin/python benchmarks/step_overhead.py [OUT.json]
+model's whole decode step (step plan to logits) at batch 1 (``--rows R``: R rows, the E2E
+benchmark prompts), with the layers as one stack call and as one call per layer, on
+`default-e2e` in w4a8. Best of 5 rounds.
+Run from the repository root: .venv/bin/python benchmarks/step_overhead.py [OUT.json] [--rows R]
 (with PYTHONPATH=<another checkout>/src it times that checkout's code).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 import skipdecode
-from skipdecode.bench.decode import _best_time, machine_info
+from skipdecode.bench.decode import PROMPTS, _best_time, machine_info
 from skipdecode.engine import runner as runner_mod
 from skipdecode.llm import LLM
 
@@ -34,18 +35,27 @@ def best_us(f, n: int = 3000, rounds: int = 5) -> float:
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    rows = 1
+    if "--rows" in args:
+        i = args.index("--rows")
+        rows = int(args[i + 1])
+        del args[i:i + 2]
     torch.set_num_threads(2)
     llm = LLM.load("default-e2e", dtype="w4a8")
     m = llm.model
     seen = {}
     real_decode = runner_mod.ModelRunner.decode
 
-    def capture(self, plan):  # keep one batch-1 decode plan and its reservation
-        seen.update(runner=self, plan=plan, res=[st.reservation for st in plan.decode])
+    def capture(self, plan):  # keep one decode plan of every row and their reservations
+        if len(plan.decode) == rows:
+            seen.update(runner=self, plan=plan, res=[st.reservation for st in plan.decode])
         return real_decode(self, plan)
 
     runner_mod.ModelRunner.decode = capture
-    llm.generate(["name[Blue Spice], eatType[coffee shop], food[Chinese]"], max_new_tokens=4, ignore_eos=True)
+    prompts = ["name[Blue Spice], eatType[coffee shop], food[Chinese]"] if rows == 1 else \
+        [PROMPTS[i % len(PROMPTS)] for i in range(rows)]
+    llm.generate(prompts, max_new_tokens=4, ignore_eos=True)
     runner_mod.ModelRunner.decode = real_decode
     for st, res in zip(seen["plan"].decode, seen["res"]):
         st.reservation = res  # released when the request finished; reused here only to time the plan
@@ -67,7 +77,7 @@ def main() -> None:
     for b in m.layers:
         b.kernels = nk
     m._stack, m._stack_kernels = NoStack(), nk
-    row = torch.zeros(1, 1, m.cfg.vocab_size)
+    row = torch.zeros(rows, 1, m.cfg.vocab_size)
     m.head = lambda x: row
     b = m.layers[0]
     x = torch.zeros(1, 1, m.cfg.dim)
@@ -78,14 +88,14 @@ def main() -> None:
         step = best_us(lambda: seen["runner"].decode(seen["plan"]))
         m._stack = None
         step_per_layer = best_us(lambda: seen["runner"].decode(seen["plan"]))
-    out = {"model": "default-e2e", "dtype": "w4a8", "layers": m.n_layers, "rows": 1,
+    out = {"model": "default-e2e", "dtype": "w4a8", "layers": m.n_layers, "rows": rows,
            "python_us_per_fused_layer_call": round(layer, 2), "python_us_per_decode_step": round(step, 1),
            "python_us_per_decode_step_one_call_per_layer": round(step_per_layer, 1),
            "commit": subprocess.run(["git", "-C", str(Path(skipdecode.__file__).parent), "rev-parse", "--short",
                                      "HEAD"], capture_output=True, text=True).stdout.strip(),
            "machine": machine_info(),
            "command": "python benchmarks/step_overhead.py " + " ".join(sys.argv[1:])}
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/step-overhead.json")
+    path = Path(args[0] if args else "benchmarks/results/step-overhead.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 
