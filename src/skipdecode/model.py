@@ -583,11 +583,12 @@ class Transformer(nn.Module):
     def _rope_lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``_rope``'s tables by lookup, for a decode step: rows of a table ``_rope`` computed for
         positions 0..n-1 (grown by doubling, rebuilt if ``inv_freq`` changes), so a step indexes
-        two tensors instead of running six ops. The same values (tests/test_model.py)."""
+        two tensors instead of running six ops. The same values (tests/test_parity_transformers.py)."""
         n = int(positions.max()) + 1
         t = self._rope_tables.get(dtype)
         if t is None or t[0] is not self.inv_freq or t[1] != self.inv_freq._version or t[2].shape[0] < n:
-            cos, sin = self._rope(torch.arange(max(1024, 1 << (n - 1).bit_length()))[None], dtype)
+            size = max(1024, 1 << (n - 1).bit_length())
+            cos, sin = self._rope(torch.arange(size, device=self.inv_freq.device)[None], dtype)
             t = self._rope_tables[dtype] = (self.inv_freq, self.inv_freq._version, cos[0], sin[0])
         return t[2][positions], t[3][positions]
 

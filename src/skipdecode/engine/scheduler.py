@@ -33,7 +33,6 @@ Budgets, two policies:
 from __future__ import annotations
 
 import bisect
-
 import time
 from collections import deque
 from dataclasses import dataclass, field
