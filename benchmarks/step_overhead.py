@@ -47,7 +47,7 @@ def main() -> None:
     seen = {}
     real_decode = runner_mod.ModelRunner.decode
 
-    def capture(self, plan):  # keep one decode plan of every row and their reservations
+    def capture(self, plan):  # keep a decode plan with all the rows decoding, and their reservations
         if len(plan.decode) == rows:
             seen.update(runner=self, plan=plan, res=[st.reservation for st in plan.decode])
         return real_decode(self, plan)
