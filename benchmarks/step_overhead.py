@@ -12,6 +12,7 @@ Run from the repository root: .venv/bin/python benchmarks/step_overhead.py [OUT.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -35,12 +36,11 @@ def best_us(f, n: int = 3000, rounds: int = 5) -> float:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    rows = 1
-    if "--rows" in args:
-        i = args.index("--rows")
-        rows = int(args[i + 1])
-        del args[i:i + 2]
+    ap = argparse.ArgumentParser(description="Python time around the kernels of a decode step")
+    ap.add_argument("out", nargs="?", default="benchmarks/results/step-overhead.json")
+    ap.add_argument("--rows", type=int, default=1, help="rows of the decode step (E2E benchmark prompts)")
+    args = ap.parse_args()
+    rows = args.rows
     torch.set_num_threads(2)
     llm = LLM.load("default-e2e", dtype="w4a8")
     m = llm.model
@@ -95,7 +95,7 @@ def main() -> None:
                                      "HEAD"], capture_output=True, text=True).stdout.strip(),
            "machine": machine_info(),
            "command": "python benchmarks/step_overhead.py " + " ".join(sys.argv[1:])}
-    path = Path(args[0] if args else "benchmarks/results/step-overhead.json")
+    path = Path(args.out)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 
