@@ -26,9 +26,9 @@ import torch
 from .checkpoint import save_hf_model
 from .config import ModelError
 from .data import encode_example, load_task
-from .model import Transformer, dequantize_int4, quantize_int4
+from .model import BLOCK_LINEARS, Transformer, dequantize_int4, quantize_int4
 
-LINEARS = ("wqkv", "wo", "w13", "w2")
+LINEARS = BLOCK_LINEARS  # the linears AWQ scales and GPTQ rounds
 
 
 def _round_int4(w: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ from torch import nn
 
 from . import atomic
 from .config import ModelError
-from .model import Transformer
+from .model import BLOCK_LINEARS, Transformer
 
-LORA_TARGETS = ["wqkv", "wo", "w13", "w2"]  # our fused Linear names in every Block
+LORA_TARGETS = list(BLOCK_LINEARS)  # our fused Linear names in every Block
 NORMS = ["attn_norm", "mlp_norm", "norm"]  # every Block's two norms and the final one
 
 

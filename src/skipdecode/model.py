@@ -281,6 +281,9 @@ class PrefillChunk:
     cache: Any
 
 
+BLOCK_LINEARS = ("wqkv", "wo", "w13", "w2")  # every Block's linears, in the order a layer runs them
+
+
 class Block(nn.Module):
     """One transformer layer: attention + MLP, pre- or post-norm."""
 
@@ -309,9 +312,9 @@ class Block(nn.Module):
         return (self.kernels is not None and cfg.pre_norm and cfg.norm == "rms" and cfg.mlp == "swiglu"
                 and cfg.pos == "rope" and cfg.head_dim % 8 == 0
                 and (not packed or all(isinstance(getattr(self, n), PackedLinear) and getattr(self, n).packed
-                                       is not None for n in ("wqkv", "wo", "w13", "w2"))
+                                       is not None for n in BLOCK_LINEARS)
                      # one call runs its four linears with or without int8 activations, not a mix
-                     and len({getattr(self, n).a8 for n in ("wqkv", "wo", "w13", "w2")}) == 1))
+                     and len({getattr(self, n).a8 for n in BLOCK_LINEARS}) == 1))
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -501,7 +504,7 @@ class Transformer(nn.Module):
         k = kernels.load() if use_kernels and dtype == torch.float32 else None  # the kernels are fp32
         if not can_pack(dtype, k):
             return self
-        names = ("wqkv", "wo", "w13", "w2")
+        names = BLOCK_LINEARS
         for block in self.layers:
             block.kernels = k
             if block.can_fuse_decode(packed=False):
@@ -530,7 +533,7 @@ class Transformer(nn.Module):
     def _weights_on_huge_pages(self) -> None:
         """Move the compiled kernels' panels and scales, in the order a step reads them, into one
         arena on 2 MB pages (``kernels.huge_page_arena``): the same bytes, fewer TLB misses."""
-        linears = [getattr(b, n) for b in self.layers for n in ("wqkv", "wo", "w13", "w2")]
+        linears = [getattr(b, n) for b in self.layers for n in BLOCK_LINEARS]
         linears += [m for m in (self.lm_head, self.draft_head) if m is not None]
         slots = [(m, a) for m in linears if isinstance(m, PackedLinear) for a in ("packed", "panel_scales")
                  if getattr(m, a) is not None]

@@ -38,6 +38,7 @@ from .. import __version__
 from ..config import WEIGHT_DTYPES
 from ..generate import generate_tokens
 from ..llm import LLM
+from ..model import BLOCK_LINEARS
 from ..schedule import SkipSchedule
 
 ATTRS = [
@@ -88,7 +89,8 @@ def write_report(out_dir: str | os.PathLike, name: str, report: dict, render) ->
 def layer_linears(net, rows: int) -> list[tuple[torch.nn.Module, Callable]]:
     """Every decode layer's linears, in layer order, each with the callable a step of ``rows`` rows
     runs it by: the fused layer's panels where the layer is fused, else the module."""
-    return [(m, m.panels if blk.fuses(rows) else m) for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)]
+    return [(m, m.panels if blk.fuses(rows) else m) for blk in net.layers
+            for m in (getattr(blk, n) for n in BLOCK_LINEARS)]
 
 
 class _Ours:
@@ -159,7 +161,7 @@ def run_vllm(venv: Path, model_dir: Path, ids: list[list[int]], batch_sizes: lis
 
 def _plans(llm: LLM) -> dict[str, list[str]]:
     """The form each linear of the first layer (and the LM head) runs per row-count bucket."""
-    mods = {n: getattr(llm.model.layers[0], n) for n in ("wqkv", "wo", "w13", "w2")} | {"lm_head": llm.model.lm_head}
+    mods = {n: getattr(llm.model.layers[0], n) for n in BLOCK_LINEARS} | {"lm_head": llm.model.lm_head}
     return {n: list(m.plan) for n, m in mods.items() if getattr(m, "plan", None)}
 
 

@@ -33,6 +33,7 @@ from ..config import WEIGHT_DTYPES
 from ..errors import SkipDecodeError
 from ..generate import generate_tokens
 from ..llm import LLM
+from ..model import BLOCK_LINEARS
 from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, write_report
 
 # skipdecode dtype -> the llama.cpp type of the same size class it is compared with (Q8_0 and Q4_0
@@ -147,7 +148,7 @@ def step_bytes(llm: LLM) -> int:
     byte per weight plus one bf16 scale per output channel and 32 inputs)."""
     net = llm.model
     total = 0
-    for m in [m for blk in net.layers for m in (blk.wqkv, blk.wo, blk.w13, blk.w2)] + [net.lm_head]:
+    for m in [getattr(blk, n) for blk in net.layers for n in BLOCK_LINEARS] + [net.lm_head]:
         w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
         total += {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
                   "int4": n * k // 2 + 2 * n * (k // 32)}[w]

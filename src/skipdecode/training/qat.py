@@ -16,9 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .. import kernels
-from ..model import Transformer, dequantize_int4, quantize_int4
-
-BLOCK_LINEARS = ("wqkv", "wo", "w13", "w2")  # the linears --dtype int4 rounds (the LM head stays int8)
+from ..model import BLOCK_LINEARS, Transformer, dequantize_int4, quantize_int4
 
 
 class Int4RoundTrip(nn.Module):
