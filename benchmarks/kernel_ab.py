@@ -9,6 +9,7 @@ Run from the repository root, e.g. against the previous commit's kernels:
     git show HEAD~1:src/skipdecode/csrc/decode_kernels.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/kernel_ab.py /tmp/before.cpp benchmarks/results/kernel-ab.json
 Other cases than CASES: --case DTYPE:BATCH:SPEEDUP (repeatable), e.g. --case w8a8:32:1.
+SKIPDECODE_ISA=avx2 times both versions in their AVX2 forms (recorded under "kernel_forms").
 --rounds-differ: for a change that rounds differently (both versions within fp32 rounding of the
 exact result), record how many rows decode the same tokens instead of stopping at a difference.
 """
@@ -95,7 +96,8 @@ def main() -> None:
         results.append(r)
         print(f"{dtype:8s} B={batch:<2} {speedup:g}x  other {best['other']:6.2f}  this {best['this']:6.2f} ms/step  "
               f"{r['this_over_other_tokens_per_s']:.3f}x", flush=True)
-    report = {"machine": machine_info(), "other_source": str(other_src), "threads": torch.get_num_threads(),
+    report = {"machine": machine_info(), "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()},
+              "other_source": str(other_src), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
               "timing": "decode steps after the first token, best of the rounds, the two versions interleaved (order alternating)",
               "command": "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:]), "results": results}

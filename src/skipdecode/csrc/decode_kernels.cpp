@@ -716,8 +716,10 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // chain over k in order: the same bits as the wide form. A decode step of default-e2e at 8 rows
 // took 1.21x less time than on the wide form, at 32 rows 1.02x, at 2-4 rows the same
 // (benchmarks/results/kernel-ab-fp32-stream.json): from STREAM_MIN_F32 rows, where a pass has
-// enough FMA chains (one per row) to keep up with the stream.
-constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4;
+// enough FMA chains (one per row) to keep up with the stream. The AVX2 form (at most 6 rows a
+// pass) ran a step at 4 rows 1.36x faster, at 5-6 rows the same, and at 8 rows (two passes) no
+// faster than the wide form, which keeps 7 rows and more (kernel-ab-fp32-stream-avx2.json).
+constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_MAX_F32_AVX2 = 6;
 
 // x rows m .. m + r (r <= 8) transposed by k: xt[k * 8 + i] = x[m + i, k] (lanes r..7 zero).
 inline void transpose_rows8(const float* x, int64_t r, int64_t K, float* xt) {
@@ -763,8 +765,53 @@ SD_AVX512 void stream_rows512(int64_t r, const float* xt, const float* w, int64_
   }
 }
 
-// y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, AVX-512, M >= STREAM_MIN_F32: threads take
-// runs of panels, K in blocks of KC (a panel's block stays in L1 for every pass), rows in ceil(M / 8) even passes.
+// a0[i], a1[i] += (lane i of 4 rows' activations at one k, broadcast) * the two weight halves.
+template <int... I>
+static inline void stream_lanes(__m256* a0, __m256* a1, __m256 x, __m256 w0, __m256 w1,
+                                std::integer_sequence<int, I...>) {
+  ((a0[I] = _mm256_fmadd_ps(_mm256_permute_ps(x, I * 0x55), w0, a0[I]),
+    a1[I] = _mm256_fmadd_ps(_mm256_permute_ps(x, I * 0x55), w1, a1[I])), ...);
+}
+
+// The AVX2 form: a panel row is two registers, so a pass takes at most 6 rows (12 sums, the two
+// weight halves, the activations and a broadcast in 16 registers); the same operations per output.
+template <int R>
+static inline void stream_kernel(const float* xt, const float* w, int64_t kc, float* acc, bool first) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) {
+    a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
+    a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR + 8);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_STREAM, _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
+    const __m256 x0 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xt + k * 8));
+    stream_lanes(a0, a1, x0, w0, w1, std::make_integer_sequence<int, R < 4 ? R : 4>());
+    if constexpr (R > 4) {
+      const __m256 x1 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xt + k * 8 + 4));
+      stream_lanes(a0 + 4, a1 + 4, x1, w0, w1, std::make_integer_sequence<int, R - 4>());
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * NR, a0[r]);
+    _mm256_storeu_ps(acc + r * NR + 8, a1[r]);
+  }
+}
+
+void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* acc, bool first) {
+  switch (r) {
+    case 6: return stream_kernel<6>(xt, w, kc, acc, first);
+    case 5: return stream_kernel<5>(xt, w, kc, acc, first);
+    case 4: return stream_kernel<4>(xt, w, kc, acc, first);
+    case 3: return stream_kernel<3>(xt, w, kc, acc, first);
+    case 2: return stream_kernel<2>(xt, w, kc, acc, first);
+    default: return stream_kernel<1>(xt, w, kc, acc, first);
+  }
+}
+
+// y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads take runs of
+// panels, K in blocks of KC (a panel's block stays in L1 for every pass), rows in even passes of at
+// most 8 (AVX-512) or 6 (AVX2).
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
   const int64_t nrb = (M + 7) / 8;
@@ -783,8 +830,14 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         for (int64_t i = 0; i < nrb; ++i)
-          stream_rows512(first_row[i + 1] - first_row[i], xt.data() + (i * K + k0) * 8, wa + (p * K + k0) * NR, kc,
-                         acc.data() + first_row[i] * NR, k0 == 0);
+        {
+          const int64_t r = first_row[i + 1] - first_row[i];
+          const float *x = xt.data() + (i * K + k0) * 8, *w = wa + (p * K + k0) * NR;
+          if (g_avx512)
+            stream_rows512(r, x, w, kc, acc.data() + first_row[i] * NR, k0 == 0);
+          else
+            stream_rows(r, x, w, kc, acc.data() + first_row[i] * NR, k0 == 0);
+        }
       }
       store_rows(M, acc.data(), ya + p * NR, n, std::min(NR, n - p * NR), nullptr, ba ? ba + p * NR : nullptr,
                  res ? res + p * NR : nullptr);
@@ -1537,7 +1590,7 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
       case torch::kChar:
         return linear_wide(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
       default:
-        if (g_avx512 && M >= STREAM_MIN_F32)
+        if (M >= STREAM_MIN_F32 && (g_avx512 || M <= STREAM_MAX_F32_AVX2))
           return linear_stream_f32(xa, M, packed.data_ptr<float>(), K, NP, ba, n, ya, res, pf);
         return linear_wide(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
     }
