@@ -702,7 +702,7 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
   });
 }
 
-// ---- fp32 panels at several rows on AVX-512: one weight stream per thread.
+// ---- fp32 panels at several rows: one weight stream per thread.
 // With fp32 weights a decode step at 8 rows is bound by reading them, and the wide form above
 // streamed them at well under the machine's read bandwidth: it reads WP panels at once (four
 // streams per thread) and, at 32 rows, re-reads each K block from L1 for five more row blocks
@@ -712,12 +712,12 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // (four k of up to 8 rows transposed into one 128-bit load, vpermilps per row) instead of a load
 // per row and k: the loads a k takes stay few, so the core keeps more weight lines in flight.
 // In a stand-alone loop over default-e2e's gate/up shapes (AMD EPYC Zen 5) this streamed 8 rows at
-// about the pure read's time where the wide form took ~1.25x it. Each output is still one FMA
+// about the pure read's time, the wide form well over it. Each output is still one FMA
 // chain over k in order: the same bits as the wide form. A decode step of default-e2e at 8 rows
 // took 1.21x less time than on the wide form, at 32 rows 1.02x, at 2-4 rows the same
 // (benchmarks/results/kernel-ab-fp32-stream.json): from STREAM_MIN_F32 rows, where a pass has
 // enough FMA chains (one per row) to keep up with the stream. The AVX2 form (at most 6 rows a
-// pass) ran a step at 4 rows 1.36x faster, at 5-6 rows the same, and at 8 rows (two passes) no
+// pass) ran a step at 4 rows 1.40x faster, at 5-6 rows the same, and at 8 rows (two passes) no
 // faster than the wide form, which keeps 7 rows and more (kernel-ab-fp32-stream-avx2.json).
 constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_MAX_F32_AVX2 = 6;
 
@@ -811,9 +811,10 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 
 // y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads take runs of
 // panels, K in blocks of KC (a panel's block stays in L1 for every pass), rows in even passes of at
-// most 8 (AVX-512) or 6 (AVX2).
+// most 8 (AVX-512; the AVX2 form takes at most STREAM_MAX_F32_AVX2 rows, in one pass).
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  check(g_avx512 || M <= STREAM_MAX_F32_AVX2, "the AVX2 one-stream form takes at most 6 rows");
   const int64_t nrb = (M + 7) / 8;
   std::vector<float> xt(nrb * K * 8);
   std::vector<int64_t> first_row(nrb + 1, M);
@@ -829,8 +830,7 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
       pf.part(p, NP);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        for (int64_t i = 0; i < nrb; ++i)
-        {
+        for (int64_t i = 0; i < nrb; ++i) {
           const int64_t r = first_row[i + 1] - first_row[i];
           const float *x = xt.data() + (i * K + k0) * 8, *w = wa + (p * K + k0) * NR;
           if (g_avx512)
