@@ -728,13 +728,10 @@ inline void transpose_rows8(const float* x, int64_t r, int64_t K, float* xt) {
     for (int64_t k = 0; k < K; ++k) xt[k * 8 + i] = x[i * K + k];
 }
 
-template <int I>
-SD_AVX512 static inline __m512 lane_of4(__m512 v) { return _mm512_permute_ps(v, I * 0x55); }
-
 // a[i] += (lane i of the 8 rows' activations at one k, broadcast) * wv, for i in I.
 template <int... I>
 SD_AVX512 static inline void fma_lanes(__m512* a, __m512 x0, __m512 x1, __m512 wv, std::integer_sequence<int, I...>) {
-  ((a[I] = _mm512_fmadd_ps(lane_of4<I % 4>(I < 4 ? x0 : x1), wv, a[I])), ...);
+  ((a[I] = _mm512_fmadd_ps(_mm512_permute_ps(I < 4 ? x0 : x1, (I % 4) * 0x55), wv, a[I])), ...);
 }
 
 // R rows (1-8, transposed, xt at the block's first k) x one panel over kc k: acc [R, NR] running sums.
@@ -816,13 +813,9 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
   check(g_avx512 || M <= STREAM_MAX_F32_AVX2, "the AVX2 one-stream form takes at most 6 rows");
   const int64_t nrb = (M + 7) / 8;
-  std::vector<float> xt(nrb * K * 8);
-  std::vector<int64_t> first_row(nrb + 1, M);
-  int64_t b = 0;
-  even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
-    first_row[b] = m;
-    transpose_rows8(xa + m * K, r, K, xt.data() + b++ * K * 8);
-  });
+  std::vector<float> xt(nrb * K * 8);  // each pass's rows, transposed, K * 8 floats a pass
+  int64_t pass = 0;
+  even_row_blocks(M, nrb, [&](int64_t m, int64_t r) { transpose_rows8(xa + m * K, r, K, xt.data() + pass++ * K * 8); });
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
     acc.resize(M * NR);
@@ -830,14 +823,15 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
       pf.part(p, NP);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
-        for (int64_t i = 0; i < nrb; ++i) {
-          const int64_t r = first_row[i + 1] - first_row[i];
-          const float *x = xt.data() + (i * K + k0) * 8, *w = wa + (p * K + k0) * NR;
+        const float* w = wa + (p * K + k0) * NR;
+        int64_t pass = 0;
+        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
+          const float* x = xt.data() + (pass++ * K + k0) * 8;
           if (g_avx512)
-            stream_rows512(r, x, w, kc, acc.data() + first_row[i] * NR, k0 == 0);
+            stream_rows512(r, x, w, kc, acc.data() + m * NR, k0 == 0);
           else
-            stream_rows(r, x, w, kc, acc.data() + first_row[i] * NR, k0 == 0);
-        }
+            stream_rows(r, x, w, kc, acc.data() + m * NR, k0 == 0);
+        });
       }
       store_rows(M, acc.data(), ya + p * NR, n, std::min(NR, n - p * NR), nullptr, ba ? ba + p * NR : nullptr,
                  res ? res + p * NR : nullptr);
