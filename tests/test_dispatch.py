@@ -71,6 +71,33 @@ def test_a_layer_is_fused_where_its_linears_are_faster_on_the_panels_in_sum(monk
     assert dispatch.fused_plan([(8, 4)], None) == (False,) * n  # no kernels: nothing to fuse
 
 
+def test_buckets_the_linears_leave_unfused_are_timed_again_as_whole_layers_once_per_machine(tmp_path, monkeypatch):
+    n = len(dispatch.BUCKETS)
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    monkeypatch.setattr(dispatch, "_machine_key", lambda k: "this machine")
+    timed = []
+
+    def time_layers(rows):  # fused faster up to 32 rows, slower above
+        timed.append(rows)
+        return (1.0, 2.0) if rows <= 32 else (3.0, 2.0)
+
+    linears = (True,) * 3 + (False,) * (n - 3)  # the linears alone fuse the first three buckets
+    want = tuple(b <= 32 for b in dispatch.BUCKETS)
+    assert dispatch.layers_fused_plan("sig", linears, object(), time_layers) == want
+    assert timed == list(dispatch.BUCKETS[3:])  # a bucket the linears already fuse is not timed again
+    rec = json.loads((tmp_path / "autotune.json").read_text())["this machine"]["layers sig"]
+    assert rec["fused"] == list(want) and rec["seconds"]["fused"][:3] == [None] * 3
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    assert dispatch.layers_fused_plan("sig", linears, object(), time_layers) == want
+    assert len(timed) == n - 3  # a new process reads the cache
+    assert dispatch.layers_fused_plan("other", (True,) * n, object(), time_layers) == (True,) * n
+    assert len(timed) == n - 3  # nothing left unfused: nothing to time
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
+    assert dispatch.layers_fused_plan("new", linears, object(), time_layers) == linears  # no timing: the linears' plan
+
+
 @needs_kernels
 def test_the_autotuner_times_once_per_machine_and_shape_and_keeps_its_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))

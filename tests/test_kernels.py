@@ -8,6 +8,7 @@ matches transformers (tests/test_parity_transformers.py runs both)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -811,3 +812,31 @@ def test_amx_refused_by_the_os_falls_back_to_vnni_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="AMX tile registers.*AVX512-VNNI"):
         assert kernels.configure(module) is module
     assert module.a8 == ["vnni"]
+
+
+@needs_kernels
+def test_a_model_fuses_a_bucket_its_linears_left_unfused_where_its_timed_layers_are_faster(tiny_dirs, tmp_path,
+                                                                                          monkeypatch):
+    """pack_for_inference times the whole layers (fused stack call against layer by layer) at each
+    bucket the linears' times left unfused and fuses it where fused was faster, and the timing
+    leaves every layer's plan as it was."""
+    from skipdecode import dispatch
+    from skipdecode.checkpoint import load_model
+
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    n = len(dispatch.BUCKETS)
+    linears = (True, True) + (False,) * (n - 2)
+    monkeypatch.setattr(dispatch, "fused_plan", lambda shapes, k, weights="float32": linears)
+    monkeypatch.setattr(dispatch, "plan_for", lambda o, i, k, weights="float32": ("hand",) * n)
+    net = load_model(tiny_dirs["llama"])[0].pack_for_inference()
+    (rec,) = [e for e in json.loads((tmp_path / "autotune.json").read_text()).popitem()[1].values()
+              if "fused" in e]
+    assert rec["seconds"]["fused"][:2] == [None, None] and all(t > 0 for t in rec["seconds"]["fused"][2:])
+    assert all(t > 0 for t in rec["seconds"]["unfused"][2:])
+    want = tuple(p or f <= u for p, f, u in zip(linears, rec["seconds"]["fused"], rec["seconds"]["unfused"]))
+    assert net._stack_plan == want == tuple(rec["fused"])
+    assert all(b.fuse_plan == want for b in net.layers)
+    f, u = net._time_layers(4)
+    assert f > 0 and u > 0 and all(b.fuse_plan == want for b in net.layers)  # timing leaves the plans as they were

@@ -11,6 +11,12 @@ even kept in memory. The library form is oneDNN's blocked layout for fp32 and
 bf16 weights (bf16 on AMX / AVX-512-BF16) and torch's int8 weight-only GEMM
 for int8; the compiled kernels have panels in all three dtypes.
 
+Whether a layer runs as the compiled kernels' one fused call (norms, RoPE,
+attention and all four linears in one kernel, a whole step's layers in one
+call) is chosen per bucket from its linears' times (``fused_plan``) and, where
+those favour the library, from timing the model's whole layers both ways
+(``layers_fused_plan``): what fusing saves besides the linears is then counted.
+
 ``SKIPDECODE_AUTOTUNE=0`` skips the timing and uses the compiled kernels up
 to 8 rows, the library form above.
 """
@@ -204,15 +210,13 @@ def autotune_file() -> Path:
 _TUNED: dict[tuple[str, str], dict] = {}
 
 
-def tune(out_features: int, in_features: int, kernel_module, weights: str = "float32") -> dict:
-    """``{"plan": form per bucket, "seconds": {form: [seconds per bucket]}}`` for a weight of this
-    shape and dtype on this machine: measured once, then read from the cache."""
+def _measured_once(kernel_module, shape: str, ok: Callable[[object], bool], measure: Callable[[], dict]) -> dict:
+    """The autotune cache's entry for ``shape`` on this machine: read when it is there and ``ok``,
+    else ``measure()``d (under the cache's lock, so two processes do not both measure) and written."""
     key = _machine_key(kernel_module)
-    shape = f"{out_features}x{in_features}" + ("" if weights == "float32" else f" {weights}")
     if (key, shape) in _TUNED:
         return _TUNED[(key, shape)]
     path = autotune_file()
-    fs = forms(weights)
 
     def cached() -> tuple[dict, dict | None]:
         try:
@@ -220,10 +224,7 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
         except (OSError, ValueError):
             table = {}  # a damaged cache is re-measured, never trusted
         entry = table.get(key, {}).get(shape) if isinstance(table.get(key), dict) else None
-        ok = isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) \
-            and set(entry["plan"]) <= set(fs) and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS)
-                                                      for f in fs)
-        return table, entry if ok else None
+        return table, entry if ok(entry) else None
 
     table, entry = cached()
     if entry is None:
@@ -238,9 +239,7 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
                 pass  # a read-only cache: measure for this process alone
             table, entry = cached()  # another process may have measured it while we waited
             if entry is None:
-                timings = time_forms(out_features, in_features, kernel_module, weights=weights)
-                entry = {"plan": list(choose(timings)), "buckets": list(BUCKETS),
-                         "seconds": {f: [round(t, 7) for t in v] for f, v in timings.items()}}
+                entry = measure()
                 table.setdefault(key, {})[shape] = entry
                 try:
                     atomic.write_text(path, json.dumps(table, indent=1) + "\n")
@@ -248,6 +247,25 @@ def tune(out_features: int, in_features: int, kernel_module, weights: str = "flo
                     pass  # a read-only cache: the plan still holds for this process
     _TUNED[(key, shape)] = entry
     return entry
+
+
+def tune(out_features: int, in_features: int, kernel_module, weights: str = "float32") -> dict:
+    """``{"plan": form per bucket, "seconds": {form: [seconds per bucket]}}`` for a weight of this
+    shape and dtype on this machine: measured once, then read from the cache."""
+    shape = f"{out_features}x{in_features}" + ("" if weights == "float32" else f" {weights}")
+    fs = forms(weights)
+
+    def ok(entry) -> bool:
+        return isinstance(entry, dict) and len(entry.get("plan", ())) == len(BUCKETS) \
+            and set(entry["plan"]) <= set(fs) and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS)
+                                                      for f in fs)
+
+    def measure() -> dict:
+        timings = time_forms(out_features, in_features, kernel_module, weights=weights)
+        return {"plan": list(choose(timings)), "buckets": list(BUCKETS),
+                "seconds": {f: [round(t, 7) for t in v] for f, v in timings.items()}}
+
+    return _measured_once(kernel_module, shape, ok, measure)
 
 
 def plan_for(out_features: int, in_features: int, kernel_module, weights: str = "float32") -> tuple[str, ...]:
@@ -276,3 +294,33 @@ def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = 
     hand, lib = forms(weights)
     t = [tune(o, i, kernel_module, weights)["seconds"] for o, i in shapes]
     return tuple(sum(x[hand][b] for x in t) <= sum(x[lib][b] for x in t) for b in range(len(BUCKETS)))
+
+
+def layers_fused_plan(signature: str, plan: Sequence[bool], kernel_module,
+                      time_layers: Callable[[int], tuple[float, float]]) -> tuple[bool, ...]:
+    """``plan`` (``fused_plan``'s, from the linears alone) with each bucket it leaves unfused timed
+    again on a model's whole layers: ``time_layers(rows)`` gives the seconds of one decode position
+    through them fused and unfused. The fused call also runs the norms, RoPE and attention without
+    leaving the kernel (and, for a whole step, without Python between layers), which the linears'
+    times leave out: an fp32 layer can lose on its linears by a few percent and still win as a
+    layer. Measured once per machine and ``signature`` (the layers' shapes), then cached;
+    ``SKIPDECODE_AUTOTUNE=0`` keeps ``plan``."""
+    plan = tuple(bool(p) for p in plan)
+    if all(plan) or os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
+        return plan
+
+    def ok(entry) -> bool:
+        return isinstance(entry, dict) and entry.get("buckets") == list(BUCKETS) \
+            and isinstance(entry.get("fused"), list) and len(entry["fused"]) == len(BUCKETS)
+
+    def measure() -> dict:
+        fused, unfused = [], []
+        for b, p in zip(BUCKETS, plan):
+            f, u = (None, None) if p else time_layers(b)  # a bucket the linears already fuse stays fused
+            fused.append(None if f is None else round(f, 7))
+            unfused.append(None if u is None else round(u, 7))
+        return {"buckets": list(BUCKETS), "fused": [p or f <= u for p, f, u in zip(plan, fused, unfused)],
+                "seconds": {"fused": fused, "unfused": unfused}}
+
+    entry = _measured_once(kernel_module, f"layers {signature}", ok, measure)
+    return tuple(p or bool(f) for p, f in zip(plan, entry["fused"]))

@@ -528,7 +528,55 @@ class Transformer(nn.Module):
         self.kernels = k
         self.weights = weights
         self.build_layer_stack()
+        self._time_fusion()
         return self
+
+    def _time_fusion(self) -> None:
+        """Where the linears' times left a bucket unfused (``dispatch.fused_plan``), time the whole
+        layers both ways there and fuse where that is faster (``dispatch.layers_fused_plan``)."""
+        if self._stack is None:
+            return
+        cfg = self.cfg
+        signature = (f"{self.n_layers} x dim {cfg.dim} ffn {cfg.intermediate_size} heads {cfg.n_heads}/"
+                     f"{cfg.n_kv_heads}x{cfg.head_dim} {self.weights}")
+        plan = dispatch.layers_fused_plan(signature, self._stack_plan, self.kernels, self._time_layers)
+        if plan != self._stack_plan:
+            for b in self.layers:
+                b.fuse_plan = tuple(p or q for p, q in zip(b.fuse_plan, plan))
+            self.build_layer_stack()
+
+    @torch.inference_mode()
+    def _time_layers(self, rows: int, context: int = 64) -> tuple[float, float]:
+        """Seconds of one decode position of ``rows`` rows (each ``context`` positions in) through
+        every layer: as the layer stack's one fused call, and layer by layer unfused (each linear in
+        its own plan's form). Random activations; one KV pool that every layer shares."""
+        cfg, L = self.cfg, self.n_layers
+        S = context + 1
+        kpool = torch.randn(cfg.n_kv_heads, rows * S, cfg.head_dim) * 0.1
+        vpool = torch.randn_like(kpool)
+        slots = torch.tensor([[r * S, S] for r in range(rows)])
+        x = torch.randn(rows, 1, cfg.dim)
+        rope = self._rope_lookup(torch.full((rows, 1), context), x.dtype)
+        b = dispatch.bucket(rows)
+        plans = [blk.fuse_plan for blk in self.layers]
+
+        def fused() -> torch.Tensor:
+            return self._stack.run(x, list(range(L)), [rows] * L, [kpool] * L, [vpool] * L, [slots] * L, *rope)
+
+        def unfused() -> torch.Tensor:
+            h = x
+            for blk in self.layers:
+                h = blk.decode(h, rope, kpool, vpool, slots, None, b)
+            return h
+
+        try:
+            for blk in self.layers:
+                blk.fuse_plan = tuple(False for _ in blk.fuse_plan)
+            t_fused, t_unfused = dispatch._median_times([fused, unfused], 3)
+        finally:
+            for blk, p in zip(self.layers, plans):
+                blk.fuse_plan = p
+        return t_fused, t_unfused
 
     def _weights_on_huge_pages(self) -> None:
         """Move the compiled kernels' panels and scales, in the order a step reads them, into one

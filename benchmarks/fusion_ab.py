@@ -1,0 +1,75 @@
+"""Decode steps with each bucket's fused-or-not choice made from whole layers (``dispatch.layers_fused_plan``)
+against the choice from the linears' times alone (``dispatch.fused_plan``), in one run.
+
+The model is loaded once; the two plans take turns on it (interleaved rounds, order alternating,
+best of each, as in kernel_ab.py) and must decode the same tokens. The layers' plan is this
+machine's (measured on the first load, then read from the autotune cache); both plans are
+recorded. A case whose two plans agree is timed too (a check of the timing's noise).
+Writes benchmarks/results/fusion-ab.json.
+Run from the repository root: .venv/bin/python benchmarks/fusion_ab.py [OUT.json] [--case DTYPE:BATCH:SPEEDUP ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kernel_ab import NEW_TOKENS, ROUNDS, interleaved, parse_cases  # the same timing and cases
+from skipdecode import LLM, dispatch
+from skipdecode.bench.decode import PROMPTS, machine_info
+from skipdecode.model import BLOCK_LINEARS
+
+CASES = [("float32", 32, 1.0), ("float32", 32, 3.0), ("float32", 8, 1.0), ("bfloat16", 32, 1.0)]
+OUT = Path("benchmarks/results/fusion-ab.json")
+
+
+def main() -> None:
+    args, cases = parse_cases(sys.argv[1:])
+    out = Path(args[0]) if args else OUT
+    results = []
+    for dtype, batch, speedup in cases or CASES:
+        llm = LLM.load("default-e2e", dtype=dtype)
+        net = llm.model
+        layers_plan = net._stack_plan
+        first = net.layers[0]
+        linears_plan = dispatch.fused_plan([(getattr(first, n).out_features, getattr(first, n).in_features)
+                                            for n in BLOCK_LINEARS], net.kernels, net.weights)
+        enc = [llm.encode(p) for p in PROMPTS]
+        ids = [enc[i % len(enc)] for i in range(batch)]
+        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+
+        def on(plan):
+            def ready():
+                for b in net.layers:
+                    b.fuse_plan = plan
+                net.build_layer_stack()
+                return net
+            return ready
+
+        best, tokens = interleaved({"linears": on(linears_plan), "layers": on(layers_plan)}, ids, sched)
+        if tokens["linears"] != tokens["layers"]:
+            raise SystemExit(f"{dtype} batch {batch} {speedup:g}x: the two plans decode different tokens")
+        b = dispatch.bucket(batch)
+        r = {"dtype": dtype, "batch": batch, "speedup": speedup,
+             "fused_by_linears": linears_plan[b], "fused_by_layers": layers_plan[b],
+             "ms_per_step_linears_plan": round(best["linears"], 3), "ms_per_step_layers_plan": round(best["layers"], 3),
+             "layers_over_linears_tokens_per_s": round(best["linears"] / best["layers"], 3),
+             "plans": {"buckets": list(dispatch.BUCKETS), "linears": list(linears_plan), "layers": list(layers_plan)}}
+        results.append(r)
+        print(f"{dtype:8s} B={batch:<2} {speedup:g}x  fused by linears {r['fused_by_linears']!s:5} "
+              f"{best['linears']:6.2f}  by layers {r['fused_by_layers']!s:5} {best['layers']:6.2f} ms/step  "
+              f"{r['layers_over_linears_tokens_per_s']:.3f}x", flush=True)
+    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
+              "timing": "decode steps after the first token, best of the rounds, the two plans interleaved "
+                        "(order alternating)",
+              "command": "python benchmarks/fusion_ab.py " + " ".join(sys.argv[1:]), "results": results}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
