@@ -14,15 +14,11 @@ Run from the repository root: .venv/bin/python benchmarks/fusion_ab.py [OUT.json
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import torch
-
-from kernel_ab import NEW_TOKENS, ROUNDS, interleaved, parse_cases  # the same timing and cases
+from kernel_ab import ab_model, case_rows, parse_cases, write_report  # the same timing and cases
 from skipdecode import LLM, dispatch, kernels
-from skipdecode.bench.decode import PROMPTS, machine_info
 from skipdecode.model import BLOCK_LINEARS
 
 CASES = [("float32", 32, 1.0), ("float32", 32, 3.0), ("float32", 8, 1.0), ("bfloat16", 32, 1.0)]
@@ -41,22 +37,16 @@ def main() -> None:
         first = net.layers[0]
         linears_plan = dispatch.fused_plan([(getattr(first, n).out_features, getattr(first, n).in_features)
                                             for n in BLOCK_LINEARS], net.kernels, net.weights)
-        enc = [llm.encode(p) for p in PROMPTS]
-        ids = [enc[i % len(enc)] for i in range(batch)]
-        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+        ids, sched = case_rows(llm, batch, speedup)
 
         def on(plan):
-            def ready():
+            def setup(net):
                 for b in net.layers:
                     b.fuse_plan = plan
-                net.build_layer_stack()
-                return net
-            return ready
+            return setup
 
-        best, tokens = interleaved({"linears": on(linears_plan), "layers": on(layers_plan)}, ids, sched)
-        same_rows = sum(a == b for a, b in zip(tokens["linears"], tokens["layers"]))
-        if same_rows < batch and not rounds_differ:
-            raise SystemExit(f"{dtype} batch {batch} {speedup:g}x: the two plans decode different tokens")
+        best, same_rows = ab_model(net, {"linears": on(linears_plan), "layers": on(layers_plan)}, ids, sched,
+                                   f"{dtype} batch {batch} {speedup:g}x", rounds_differ)
         b = dispatch.bucket(batch)
         r = {"dtype": dtype, "batch": batch, "speedup": speedup,
              "fused_by_linears": linears_plan[b], "fused_by_layers": layers_plan[b],
@@ -68,14 +58,7 @@ def main() -> None:
         print(f"{dtype:8s} B={batch:<2} {speedup:g}x  fused by linears {r['fused_by_linears']!s:5} "
               f"{best['linears']:6.2f}  by layers {r['fused_by_layers']!s:5} {best['layers']:6.2f} ms/step  "
               f"{r['layers_over_linears_tokens_per_s']:.3f}x", flush=True)
-    report = {"machine": machine_info(), "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()},
-              "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
-              "timing": "decode steps after the first token, best of the rounds, the two plans interleaved "
-                        "(order alternating)",
-              "command": "python benchmarks/fusion_ab.py " + " ".join(sys.argv[1:]), "results": results}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, "fusion_ab.py", "plans", results, kernel_forms={"isa": kernels.isa(), "a8": kernels.a8_form()})
 
 
 if __name__ == "__main__":

@@ -7,16 +7,12 @@ Run from the repository root: .venv/bin/python benchmarks/hugepages_ab.py [--cas
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-import torch
-
-from kernel_ab import NEW_TOKENS, ROUNDS, interleaved, parse_cases  # the same cases and timing
+from kernel_ab import case_rows, interleaved, parse_cases, write_report  # the same cases and timing
 from skipdecode import LLM
-from skipdecode.bench.decode import PROMPTS, machine_info
 
 CASES = [("float32", 1, 1.0), ("int8", 1, 1.0), ("w8a8", 1, 1.0), ("int4", 1, 1.0), ("w4a8", 1, 1.0),
          ("w8a16", 1, 1.0), ("w4a16", 1, 1.0), ("int8", 1, 3.0), ("float32", 8, 1.0), ("w4a8", 8, 1.0),
@@ -49,9 +45,7 @@ def main() -> None:
         mid = anon_huge_kb()
         llms["2m"] = load(dtype, True)
         after = anon_huge_kb()
-        enc = [llms["4k"].encode(p) for p in PROMPTS]
-        ids = [enc[i % len(enc)] for i in range(batch)]
-        sched = llms["4k"].make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+        ids, sched = case_rows(llms["4k"], batch, speedup)
         best, tokens = interleaved({name: (lambda m=llm.model: m) for name, llm in llms.items()}, ids, sched)
         if tokens["4k"] != tokens["2m"]:
             raise SystemExit(f"{dtype} batch {batch}: the two decode different tokens")
@@ -64,12 +58,7 @@ def main() -> None:
         print(f"{dtype:8s} B={batch:<2} {speedup:g}x  4k {best['4k']:6.2f}  2m {best['2m']:6.2f} ms/step  "
               f"{r['2m_over_4k_tokens_per_s']:.3f}x  {r['anon_huge_pages_mb_added']}", flush=True)
         del llms
-    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
-              "timing": "decode steps after the first token, best of the rounds, the two interleaved (order alternating)",
-              "command": "python benchmarks/hugepages_ab.py " + " ".join(sys.argv[1:]), "results": results}
-    OUT.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    write_report(OUT, "hugepages_ab.py", "loads", results)
 
 
 if __name__ == "__main__":

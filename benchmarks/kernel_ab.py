@@ -51,6 +51,23 @@ def parse_cases(args: list[str]) -> tuple[list[str], list[tuple[str, int, float]
     return args, cases
 
 
+def case_rows(llm, batch: int, speedup: float) -> tuple[list[list[int]], object]:
+    """A case's prompts (row i gets the bench's E2E prompt i mod 8) and its schedule at ``speedup``."""
+    enc = [llm.encode(p) for p in PROMPTS]
+    return [enc[i % len(enc)] for i in range(batch)], llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+
+
+def write_report(out: Path, script: str, what: str, results: list, **extra) -> None:
+    """Write an A/B run's JSON: the machine, versions, timing, ``extra`` fields, the command and ``results``."""
+    report = {"machine": machine_info(), **extra, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
+              "timing": f"decode steps after the first token, best of the rounds, the two {what} interleaved "
+                        "(order alternating)",
+              "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]), "results": results}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS) -> tuple[dict[str, float], dict[str, list]]:
     """Decode ``ids`` with ``sched`` on each of ``runs`` (name -> a callable that readies and returns
     the model) in turn, ``rounds`` times after a warm-up round, the order alternating between
@@ -65,6 +82,26 @@ def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS) -> tuple[dic
     return {name: min(v[1:]) for name, v in ms.items()}, tokens
 
 
+def ab_model(net, setups: dict, ids: list, sched, label: str, rounds_differ: bool = False
+             ) -> tuple[dict[str, float], int]:
+    """``interleaved`` over one model under two ``setups`` (name -> a function that changes ``net``;
+    its layer stack is rebuilt after each): each setup's best ms per step and how many rows decode
+    the same tokens under both. Stops where they differ, unless ``rounds_differ``."""
+    def on(setup):
+        def ready():
+            setup(net)
+            net.build_layer_stack()  # the step's one stack call as this setup has it
+            return net
+        return ready
+
+    best, tokens = interleaved({name: on(f) for name, f in setups.items()}, ids, sched)
+    first, second = tokens.values()
+    same_rows = sum(a == b for a, b in zip(first, second))
+    if same_rows < len(first) and not rounds_differ:
+        raise SystemExit(f"{label}: the two {' and '.join(setups)} decode different tokens")
+    return best, same_rows
+
+
 def main() -> None:
     rounds_differ = "--rounds-differ" in sys.argv[1:]
     args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
@@ -74,36 +111,25 @@ def main() -> None:
     for dtype, batch, speedup in cases or CASES:
         llm = LLM.load("default-e2e", dtype=dtype)
         net = llm.model
-        enc = [llm.encode(p) for p in PROMPTS]
-        ids = [enc[i % len(enc)] for i in range(batch)]
-        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+        ids, sched = case_rows(llm, batch, speedup)
 
         def on(mod):
-            def ready():
+            def setup(net):
                 for block in net.layers:
                     block.kernels = mod
-                net.build_layer_stack()  # the step's one stack call on these kernels
-                return net
-            return ready
+            return setup
 
-        best, tokens = interleaved({"other": on(other), "this": on(this)}, ids, sched)
-        same_rows = sum(a == b for a, b in zip(tokens["this"], tokens["other"]))
-        if same_rows < batch and not rounds_differ:
-            raise SystemExit(f"{dtype} batch {batch} {speedup:g}x: the two kernel versions decode different tokens")
+        best, same_rows = ab_model(net, {"other": on(other), "this": on(this)}, ids, sched,
+                                   f"{dtype} batch {batch} {speedup:g}x", rounds_differ)
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
              "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
              round(best["other"] / best["this"], 3), "rows_with_the_same_tokens": same_rows}
         results.append(r)
         print(f"{dtype:8s} B={batch:<2} {speedup:g}x  other {best['other']:6.2f}  this {best['this']:6.2f} ms/step  "
               f"{r['this_over_other_tokens_per_s']:.3f}x", flush=True)
-    report = {"machine": machine_info(), "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()},
-              "other_source": str(other_src), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
-              "timing": "decode steps after the first token, best of the rounds, the two versions interleaved (order alternating)",
-              "command": "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:]), "results": results}
     if out:
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out}")
+        write_report(out, "kernel_ab.py", "versions", results,
+                     kernel_forms={"isa": kernels.isa(), "a8": kernels.a8_form()}, other_source=str(other_src))
 
 
 if __name__ == "__main__":

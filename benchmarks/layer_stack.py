@@ -10,19 +10,15 @@ Run from the repository root: .venv/bin/python benchmarks/layer_stack.py [OUT.js
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import torch
-
+from kernel_ab import NEW_TOKENS, ROUNDS, case_rows, write_report  # the same cases and report
 from skipdecode import LLM
-from skipdecode.bench.decode import PROMPTS, machine_info
 from skipdecode.generate import generate_tokens
 
 DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
 CASES = [(1, 1.0), (1, 3.0), (8, 1.0)]
-NEW_TOKENS, ROUNDS = 64, 8
 
 
 def main() -> None:
@@ -34,10 +30,8 @@ def main() -> None:
         stack = net._stack
         if stack is None:
             raise SystemExit(f"{dtype}: the model has no layer stack here (fused kernels not in use)")
-        enc = [llm.encode(p) for p in PROMPTS]
         for batch, speedup in CASES:
-            ids = [enc[i % len(enc)] for i in range(batch)]
-            sched = llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
+            ids, sched = case_rows(llm, batch, speedup)
             ms: dict[str, list[float]] = {"stack": [], "per_layer": []}
             tokens = {}
             for rnd in range(ROUNDS + 1):  # the first round warms up
@@ -56,13 +50,7 @@ def main() -> None:
             results.append(r)
             print(f"{dtype:8s} B={batch:<2} {speedup:g}x  per layer {best['per_layer']:6.2f}  stack "
                   f"{best['stack']:6.2f} ms/step  {r['stack_over_per_layer_tokens_per_s']:.3f}x", flush=True)
-    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
-              "timing": "decode steps after the first token, best of the rounds, the two paths interleaved "
-                        "(order alternating)",
-              "command": "python benchmarks/layer_stack.py " + " ".join(sys.argv[1:]), "results": results}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, "layer_stack.py", "paths", results)
 
 
 if __name__ == "__main__":
