@@ -25,6 +25,12 @@ CASES = [("float32", 32, 1.0), ("float32", 32, 3.0), ("float32", 8, 1.0), ("bflo
 OUT = Path("benchmarks/results/fusion-ab.json")
 
 
+def use_plan(net, plan: tuple[bool, ...]) -> None:
+    """Every layer of ``net`` fused at the buckets ``plan`` fuses."""
+    for b in net.layers:
+        b.fuse_plan = plan
+
+
 def main() -> None:
     rounds_differ = "--rounds-differ" in sys.argv[1:]
     args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
@@ -38,14 +44,7 @@ def main() -> None:
         linears_plan = dispatch.fused_plan([(getattr(first, n).out_features, getattr(first, n).in_features)
                                             for n in BLOCK_LINEARS], net.kernels, net.weights)
         ids, sched = case_rows(llm, batch, speedup)
-
-        def on(plan):
-            def setup(net):
-                for b in net.layers:
-                    b.fuse_plan = plan
-            return setup
-
-        best, same_rows = ab_model(net, {"linears": on(linears_plan), "layers": on(layers_plan)}, ids, sched,
+        best, same_rows = ab_model(net, use_plan, {"linears": linears_plan, "layers": layers_plan}, ids, sched,
                                    f"{dtype} batch {batch} {speedup:g}x", rounds_differ)
         b = dispatch.bucket(batch)
         r = {"dtype": dtype, "batch": batch, "speedup": speedup,

@@ -82,24 +82,30 @@ def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS) -> tuple[dic
     return {name: min(v[1:]) for name, v in ms.items()}, tokens
 
 
-def ab_model(net, setups: dict, ids: list, sched, label: str, rounds_differ: bool = False
+def ab_model(net, apply, settings: dict, ids: list, sched, label: str, rounds_differ: bool = False
              ) -> tuple[dict[str, float], int]:
-    """``interleaved`` over one model under two ``setups`` (name -> a function that changes ``net``;
-    its layer stack is rebuilt after each): each setup's best ms per step and how many rows decode
-    the same tokens under both. Stops where they differ, unless ``rounds_differ``."""
-    def on(setup):
+    """``interleaved`` over one model under two ``settings`` (name -> a value ``apply(net, value)``
+    puts on it; its layer stack is rebuilt after each): each setting's best ms per step and how many
+    rows decode the same tokens under both. Stops where they differ, unless ``rounds_differ``."""
+    def on(value):
         def ready():
-            setup(net)
-            net.build_layer_stack()  # the step's one stack call as this setup has it
+            apply(net, value)
+            net.build_layer_stack()  # the step's one stack call as this setting has it
             return net
         return ready
 
-    best, tokens = interleaved({name: on(f) for name, f in setups.items()}, ids, sched)
+    best, tokens = interleaved({name: on(v) for name, v in settings.items()}, ids, sched)
     first, second = tokens.values()
     same_rows = sum(a == b for a, b in zip(first, second))
     if same_rows < len(first) and not rounds_differ:
-        raise SystemExit(f"{label}: the two {' and '.join(setups)} decode different tokens")
+        raise SystemExit(f"{label}: the two {' and '.join(settings)} decode different tokens")
     return best, same_rows
+
+
+def use_kernels(net, module) -> None:
+    """Every layer of ``net`` on these kernels."""
+    for block in net.layers:
+        block.kernels = module
 
 
 def main() -> None:
@@ -112,14 +118,7 @@ def main() -> None:
         llm = LLM.load("default-e2e", dtype=dtype)
         net = llm.model
         ids, sched = case_rows(llm, batch, speedup)
-
-        def on(mod):
-            def setup(net):
-                for block in net.layers:
-                    block.kernels = mod
-            return setup
-
-        best, same_rows = ab_model(net, {"other": on(other), "this": on(this)}, ids, sched,
+        best, same_rows = ab_model(net, use_kernels, {"other": other, "this": this}, ids, sched,
                                    f"{dtype} batch {batch} {speedup:g}x", rounds_differ)
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
              "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
