@@ -659,7 +659,8 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
 // The AVX2 form's 5- and 6-row kernels (10-12 accumulators of 16 registers) ran well under its
 // 4-row kernel's rate: in blocks of 4 a decode step in the AVX2 forms took 1.49x less time with
 // int4 weights at 32 rows and 1.40x with bf16 on an AMD EPYC (Zen 5)
-// (benchmarks/results/kernel-ab-avx2-wide-rows4.json); the blocking does not change any output. sa: int8 column scales; gs: int4 group scales.
+// (benchmarks/results/kernel-ab-avx2-wide-rows4.json); the blocking does not change any output.
+// sa: int8 column scales; gs: int4 group scales.
 template <typename W>
 void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
                  const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
