@@ -363,6 +363,8 @@ SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const floa
 constexpr int64_t WIDE_MIN_F32 = 2, WIDE_MIN_INT4 = 17, WIDE_MIN_INT8 = 13;
 constexpr int64_t WP = 4;    // panels per group
 constexpr int64_t KW = 128;  // K block of widened panels: WP x KW x 16 floats (32 KB) stay in L1
+// Rows per block of the wide form (linear_wide says why the AVX2 form takes fewer).
+constexpr int64_t WIDE_ROWS_AVX512 = 6, WIDE_ROWS_AVX2 = 4;
 
 // One K block of one panel widened to fp32 ([kc, 16], row k at out + k * NR): exact for bf16
 // (a shift), int8 (a conversion; the column scale multiplies the finished sum) and int4 (v times its
@@ -485,7 +487,7 @@ SD_AVX512 void wide_rows512(int64_t r, const float* x, int64_t ldx, const float*
   }
 }
 
-// r rows (1-6) x np panels (1-WP) of one K block, in whichever form set_isa chose.
+// r rows (1-WIDE_ROWS_* of the form) x np panels (1-WP) of one K block, in whichever form set_isa chose.
 void wide_block(int64_t r, int64_t np, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kc,
                 float* acc, int64_t lda, bool first) {
   if (g_avx512) {
@@ -500,8 +502,6 @@ void wide_block(int64_t r, int64_t np, const float* x, int64_t ldx, const float*
     const float* wj = w + j * ldw;
     float* aj = acc + j * lda;
     switch (r) {
-      case 6: wide_kernel<6>(x, ldx, wj, kc, aj, first); break;
-      case 5: wide_kernel<5>(x, ldx, wj, kc, aj, first); break;
       case 4: wide_kernel<4>(x, ldx, wj, kc, aj, first); break;
       case 3: wide_kernel<3>(x, ldx, wj, kc, aj, first); break;
       case 2: wide_kernel<2>(x, ldx, wj, kc, aj, first); break;
@@ -665,7 +665,9 @@ template <typename W>
 void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
                  const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value, F32 = std::is_same<W, float>::value;
-  const int64_t NG = (NP + WP - 1) / WP, nrb = g_avx512 ? (M + 5) / 6 : (M + 3) / 4;
+  static_assert(WIDE_ROWS_AVX2 == 4, "wide_block's AVX2 form has kernels for 1-4 rows");
+  const int64_t rows = g_avx512 ? WIDE_ROWS_AVX512 : WIDE_ROWS_AVX2;
+  const int64_t NG = (NP + WP - 1) / WP, nrb = (M + rows - 1) / rows;
   at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
     thread_local std::vector<float> acc, buf;
     acc.resize(WP * M * NR);
