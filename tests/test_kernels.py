@@ -45,6 +45,16 @@ def isa(request, k):
     k.set_isa(prev)
 
 
+@needs_kernels
+def test_the_fma_rate_counts_each_forms_lanes_on_every_thread_and_is_a_plausible_speed(k, isa):
+    lanes = 16 if isa == "avx512" else 8
+    assert k.fma_flops(1000) == 2 * 12 * lanes * 1000 * torch.get_num_threads()
+    rate = kernels.fma_peak_gflops(k, repeats=2, seconds=0.01)
+    assert 1 < rate < 100_000, rate  # GFLOP/s: a CPU's multiply-add rate, not a unit slip
+    with pytest.raises(RuntimeError, match="iters must be >= 1"):
+        k.fma_flops(0)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -12,7 +12,7 @@ import torch
 
 from skipdecode.bench import llamacpp
 from skipdecode.bench.llamacpp import (LlamaCppMissing, llamacpp_paths, read_bandwidth_gbs, same_precision_lines,
-                                       step_bytes)
+                                       step_bytes, step_macs)
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-llamacpp"
 
@@ -64,6 +64,17 @@ def test_step_bytes_count_every_linear_and_the_head_in_its_stored_dtype(tiny_dir
     assert step_bytes(llm32) == 4 * params
     outs = L * ((h + 2 * kv) + h + 2 * f + h) + V  # one bf16 scale per output channel
     assert step_bytes(llm8) == params + 2 * outs
+
+
+def test_step_macs_count_every_linear_and_the_head_once_whatever_the_dtype(tiny_dirs):
+    from skipdecode import LLM
+
+    cfg = json.loads((tiny_dirs["llama"] / "config.json").read_text())
+    h, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    want = L * (h * (h + 2 * kv) + h * h + 2 * f * h + f * h) + V * h
+    for dt in ("float32", "int8", "int4"):
+        assert step_macs(LLM.load(tiny_dirs["llama"], dtype=dt)) == want, dt
 
 
 def test_read_bandwidth_is_a_plausible_memory_speed():

@@ -140,6 +140,24 @@ def a8_form() -> str:
     return "amx" if amx == "1" and {"amx_tile", "amx_int8"} <= have else "vnni"
 
 
+def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:
+    """This machine's fp32 multiply-add rate (GFLOP/s) on torch's threads, in the form the kernels
+    run (AVX-512 or AVX2): register-only FMA chains, best of ``repeats`` runs of about ``seconds``.
+    It is the roof of the fp32-activation forms when a step has many rows, as the read bandwidth
+    is at one row."""
+    import time
+
+    t = time.perf_counter()
+    module.fma_flops(100_000)
+    iters = max(1, int(100_000 * seconds / max(time.perf_counter() - t, 1e-6)))
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        flops = module.fma_flops(iters)
+        best = max(best, flops / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 HUGE_PAGE = 2 << 20  # x86-64's large page: one TLB entry maps 512 small ones
 ARENA_ALIGN = 64  # each tensor in the arena starts on a cache line
 

@@ -15,7 +15,10 @@ The machine's read bandwidth is measured in every round (a torch sum and max ove
 bench's threads; the best is kept),
 and every batch-1 full-depth step is reported as a fraction of it: bytes of weights one step
 reads (every linear and the LM head; the KV cache of a ~100-token context adds under 1%) over
-the step's time.
+the step's time. Likewise the machine's fp32 multiply-add rate (``kernels.fma_peak_gflops``),
+the roof of a step with many rows when its dot products are fp32 FMAs: every full-depth step is
+reported as the FLOPs of its weights (2 x multiply-adds x rows) over its time, and for those
+engines (FP32_FMA) as a fraction of that rate.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "w8a16": "q8_0",
 # The dtypes that match their peer in activations too: llama.cpp's CPU dot products take Q8_0
 # activations for Q8_0 and Q4_0 weights (ggml-cpu's vec_dot_type) and fp32 ones for F32.
 SAME_ACTIVATIONS = ("float32", "w8a8", "w4a8")
+# The engines whose dot products are fp32 multiply-adds (skipdecode's widen each weight to fp32 and
+# keep fp32 activations): the fp32 FMA rate is their roof; the integer dot products of w8a8, w4a8,
+# w8a16, w4a16, Q8_0 and Q4_0 have other roofs.
+FP32_FMA = ("skipdecode", "skipdecode-bfloat16", "skipdecode-int8", "skipdecode-int4", "llama.cpp-f32")
 LLAMACPP_VENV = ".venv-llamacpp"
 GGUF_CACHE = "llamacpp"  # the GGUFs this bench makes live in $SKIPDECODE_CACHE/llamacpp/<model>
 
@@ -155,6 +162,14 @@ def step_bytes(llm: LLM) -> int:
     return total
 
 
+def step_macs(llm: LLM) -> int:
+    """Multiply-adds of the weights in one decode position at full depth: every block linear and
+    the LM head (attention over the KV cache, norms and activations are left out)."""
+    net = llm.model
+    return sum(m.out_features * m.in_features
+               for m in [getattr(blk, n) for blk in net.layers for n in BLOCK_LINEARS] + [net.lm_head])
+
+
 def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0, probe: torch.Tensor | None = None) -> float:
     """The machine's read bandwidth with the bench's threads: bytes of a tensor far larger than the
     caches over the best time of reducing it (a sum and a max: both stream it once)."""
@@ -205,6 +220,10 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     ids_all = [encoded[i % len(encoded)] for i in range(max(batch_sizes))]
     probe = torch.ones(2**28)  # 1 GiB: its read bandwidth is measured in every round, the best kept
     bw = 0.0
+    from .. import kernels
+
+    k = base.model.kernels
+    fma = 0.0  # GFLOP/s, measured in every round too (not reported without the compiled kernels)
     t_dec: dict[tuple, list[float]] = {}  # (engine, batch, speedup) -> seconds of the N - 1 decode steps, per round
     ours = {B: {dt: _Ours(x, ids_all[:B]) for dt, x in llms.items()} for B in batch_sizes}
     for B in batch_sizes:  # warm-up
@@ -223,6 +242,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                     t_dec.setdefault((ENGINE_NAMES.get(dt, f"skipdecode-{dt}"), B, sp), []).append(
                         o.run(s, N)["decode_seconds"])
         bw = max(bw, read_bandwidth_gbs(repeats=3, probe=probe))
+        if k is not None:
+            fma = max(fma, kernels.fma_peak_gflops(k, repeats=3))
         for t, path in ggufs.items():
             got = run_llamacpp(paths, path, ids_all, batch_sizes, N, 1, threads)
             version, system_info = got["version"], got.get("system_info")
@@ -231,6 +252,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 t_dec.setdefault((f"llama.cpp-{t}", int(B), 1.0), []).extend(tt["t_decode"])
     bytes_ours = {ENGINE_NAMES.get(dt, f"skipdecode-{dt}"): step_bytes(x) for dt, x in llms.items()}
     bytes_peer = {f"llama.cpp-{t}": gguf_step_bytes(p) for t, p in ggufs.items()}
+    macs = step_macs(base)
     results = []
     for (engine, B, sp), td in t_dec.items():
         dec = min(td)
@@ -243,6 +265,10 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             r["weight_bytes_per_step"] = nbytes
             r["read_gbs"] = round(nbytes / (ms / 1000) / 1e9, 2)
             r["fraction_of_bandwidth"] = round(r["read_gbs"] / bw, 3)
+        if sp == 1.0:
+            r["weight_gflops"] = round(2 * macs * B / (ms / 1000) / 1e9, 1)
+            if fma and engine in FP32_FMA:
+                r["fraction_of_fma_peak"] = round(r["weight_gflops"] / fma, 3)
         results.append(r)
     peer_of = {ENGINE_NAMES.get(d, f"skipdecode-{d}"): f"llama.cpp-{t}" for d, t in PEER_TYPE.items()}
     for r in results:
@@ -257,8 +283,6 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     for t, toks in peer_tokens.items():
         k = next((i for i, (a, b) in enumerate(zip(toks, ours_tokens)) if a != b), min(len(toks), len(ours_tokens)))
         agree[t] = k
-    from .. import kernels
-
     kernels_isa = kernels.isa() if base.model.kernels is not None else None
     settings = {"model": model, "model_path": str(base.path), "num_layers": L, "new_tokens": N, "repeats": R,
                 "kernels_isa": kernels_isa, "a8_form": kernels.a8_form() if kernels_isa else None,
@@ -267,7 +291,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 "quick": quick, "threads": threads, "dtypes": dtypes, "llamacpp_types": types, "greedy": True,
                 "eos_ignored": True, "prompt_tokens": [len(x) for x in encoded], "llama_cpp_python": version,
                 "ggufs": {t: {"file": str(p), "bytes": p.stat().st_size} for t, p in ggufs.items()},
-                "read_bandwidth_gbs": round(bw, 2),
+                "read_bandwidth_gbs": round(bw, 2), "fma_peak_gflops": round(fma, 1) if fma else None,
+                "weight_macs_per_position": macs,
                 "greedy_tokens_agreeing_with_skipdecode": {"reference": dtypes[0], "of": N, **agree},
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
     report = {"machine": machine_info(), "settings": settings, "results": results}
@@ -319,17 +344,29 @@ def render_markdown(report: dict) -> str:
         f"- Read bandwidth measured here: {s['read_bandwidth_gbs']:.1f} GB/s (torch sum and max over 1 GiB, "
         f"{s['threads']} threads, best of every round); batch-1 full-depth rows give the weight bytes a step reads "
         "over its time (a fraction above 100% means the engine streams weights faster than that reduction does).",
+    ]
+    if s.get("fma_peak_gflops"):
+        lines.append(
+            f"- fp32 multiply-add rate measured here: {s['fma_peak_gflops']:.0f} GFLOP/s (12 FMA chains a thread in "
+            f"registers, the kernels' {s.get('kernels_isa')} form, {s['threads']} threads, best of every round); "
+            f"full-depth rows give the FLOPs of their weights (2 x {s['weight_macs_per_position'] / 1e6:.0f}M "
+            "multiply-adds x rows a step) over the step's time, and that as a fraction of the rate for the engines "
+            "whose dot products are fp32 FMAs (float32, bfloat16, int8 and int4 widen each weight to fp32; "
+            "llama.cpp F32); the integer dot products of w8a8, w4a8, w8a16, w4a16, Q8_0 and Q4_0 have other roofs.")
+    lines += [
         "",
         "| batch | engine | target | decode-layer speedup | ms/step | decode tok/s | vs llama.cpp (same size class) "
-        "| weight MB/step | GB/s read | of bandwidth |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| weight MB/step | GB/s read | of bandwidth | weight GFLOP/s | of FMA peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         vs = f"{r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}" if "vs_llamacpp" in r else ""
         bw = (f"{r['weight_bytes_per_step'] / 1e6:.0f} | {r['read_gbs']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}%"
               if "read_gbs" in r else " | | ")
+        fl = (f"{r['weight_gflops']:.0f} | " if "weight_gflops" in r else " | ") + (
+            f"{100 * r['fraction_of_fma_peak']:.0f}%" if "fraction_of_fma_peak" in r else "")
         lines.append(f"| {r['batch_size']} | {r['engine']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} "
-                     f"| {r['ms_per_step']:.2f} | {r['decode_tokens_per_s']:.1f} | {vs} | {bw} |")
+                     f"| {r['ms_per_step']:.2f} | {r['decode_tokens_per_s']:.1f} | {vs} | {bw} | {fl} |")
     lines += same_precision_lines(report["results"])
     lines += ["", "Schedules (solved for the new-token count above):", ""]
     for sp, d in s["schedules"].items():

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -2202,6 +2203,49 @@ struct LayerStack {
   }
 };
 
+// ---- The machine's fp32 multiply-add rate in the form set_isa chose: the roof of the
+// fp32-activation forms when a step has many rows (benchmarks report a step's weight FLOPs over
+// it, as they report its weight bytes over the read bandwidth). Each thread runs `iters` rounds
+// of 12 independent FMA chains (more than two FMA units' latency needs) on registers only.
+constexpr int FMA_CHAINS = 12;
+SD_AVX512 float fma_chains512(int64_t iters) {
+  __m512 a[FMA_CHAINS];
+  const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-3f);
+  for (int i = 0; i < FMA_CHAINS; ++i) a[i] = _mm512_set1_ps(static_cast<float>(i));
+  for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+    for (int i = 0; i < FMA_CHAINS; ++i) a[i] = _mm512_fmadd_ps(a[i], x, y);
+  float s = 0.f;
+  for (int i = 0; i < FMA_CHAINS; ++i) s += _mm512_reduce_add_ps(a[i]);
+  return s;
+}
+float fma_chains256(int64_t iters) {
+  __m256 a[FMA_CHAINS];
+  const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-3f);
+  for (int i = 0; i < FMA_CHAINS; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
+  for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+    for (int i = 0; i < FMA_CHAINS; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
+  alignas(32) float v[8];
+  __m256 t = a[0];
+  for (int i = 1; i < FMA_CHAINS; ++i) t = _mm256_add_ps(t, a[i]);
+  _mm256_store_ps(v, t);
+  return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
+}
+
+// FLOPs of `iters` rounds on every thread of torch's pool (one range per thread); time it to get the rate.
+double fma_flops(int64_t iters) {
+  check(iters >= 1, "iters must be >= 1");
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) sink[t] = g_avx512 ? fma_chains512(iters) : fma_chains256(iters);
+  });
+  volatile float keep = std::accumulate(sink.begin(), sink.end(), 0.f);
+  (void)keep;
+  return 2.0 * FMA_CHAINS * (g_avx512 ? 16 : 8) * static_cast<double>(iters) * threads;
+}
+
 // Which form of the panel micro-kernels runs: AVX-512 where the CPU has it (the caller checks
 // its flags), AVX2 + FMA otherwise. Returns the previous setting.
 bool set_isa(bool avx512) {
@@ -2232,6 +2276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
   m.def("decode_attention", &decode_attention, "one query position per row, grouped KV heads read once",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
+  m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
+        py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
   m.def("decode_block", &decode_block, "one pre-norm Llama-family layer, one decode position per row, on a KV pool",
         py::arg("x"), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"),
