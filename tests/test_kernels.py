@@ -391,7 +391,7 @@ def test_batched_panels_give_each_row_the_same_bits_whatever_its_batch_mates_and
 @needs_kernels
 def test_fp32_panels_give_each_row_the_same_bits_from_two_rows_on_either_isa(k):
     """fp32 panels from 2 rows run the wide form, and from 4 rows the one-stream form (activations
-    transposed; AVX-512: passes of up to 8 rows, AVX2: 4-6 rows in one pass): every form is one
+    transposed; AVX-512: passes of up to 8 rows, AVX2: of up to 4): every form is one
     FMA chain per output over k in order, so each row count from 2 to 17, and 33, gives every row
     the bits it gets in a call of 40 rows, on AVX2 and (where the CPU has it) AVX-512 alike, with
     a ragged last panel and K over three blocks."""

@@ -724,10 +724,14 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // chain over k in order: the same bits as the wide form. A decode step of default-e2e at 8 rows
 // took 1.21x less time than on the wide form, at 32 rows 1.02x, at 2-4 rows the same
 // (benchmarks/results/kernel-ab-fp32-stream.json): from STREAM_MIN_F32 rows, where a pass has
-// enough FMA chains (one per row) to keep up with the stream. The AVX2 form (at most 6 rows a
-// pass) ran a step at 4 rows 1.40x faster, at 5-6 rows the same, and at 8 rows (two passes) no
-// faster than the wide form, which keeps 7 rows and more (kernel-ab-fp32-stream-avx2.json).
-constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_MAX_F32_AVX2 = 6;
+// enough FMA chains (one per row) to keep up with the stream. The AVX2 form takes at most
+// STREAM_ROWS_AVX2 rows a pass (8 sums, the two weight halves and the activations fit its 16
+// registers; a 6-row pass did not): at 4 rows a step ran 1.40x faster than on the wide form
+// (kernel-ab-fp32-stream-avx2.json); from 5 rows, in passes of at most 4 rather than on the wide
+// form (whose fp32 panels are read in place with no prefetch, four streams a thread: at 8 rows its
+// GEMMs took about twice their time on cache-resident weights), a step at 8 rows 1.46x faster
+// (benchmarks/results/kernel-ab-fp32-stream-avx2-passes.json).
+constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4;
 
 // x rows m .. m + r (r <= 8) transposed by k: xt[k * 8 + i] = x[m + i, k] (lanes r..7 zero).
 inline void transpose_rows8(const float* x, int64_t r, int64_t K, float* xt) {
@@ -778,10 +782,11 @@ static inline void stream_lanes(__m256* a0, __m256* a1, __m256 x, __m256 w0, __m
     a1[I] = _mm256_fmadd_ps(_mm256_permute_ps(x, I * 0x55), w1, a1[I])), ...);
 }
 
-// The AVX2 form: a panel row is two registers, so a pass takes at most 6 rows (12 sums, the two
-// weight halves, the activations and a broadcast in 16 registers); the same operations per output.
+// The AVX2 form: a panel row is two registers, so a pass takes at most STREAM_ROWS_AVX2 rows;
+// the same operations per output.
 template <int R>
 static inline void stream_kernel(const float* xt, const float* w, int64_t kc, float* acc, bool first) {
+  static_assert(R >= 1 && R <= STREAM_ROWS_AVX2, "one 128-bit load holds a pass's activations at one k");
   __m256 a0[R], a1[R];
   for (int r = 0; r < R; ++r) {
     a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NR);
@@ -791,11 +796,7 @@ static inline void stream_kernel(const float* xt, const float* w, int64_t kc, fl
     _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_STREAM, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
     const __m256 x0 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xt + k * 8));
-    stream_lanes(a0, a1, x0, w0, w1, std::make_integer_sequence<int, R < 4 ? R : 4>());
-    if constexpr (R > 4) {
-      const __m256 x1 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xt + k * 8 + 4));
-      stream_lanes(a0 + 4, a1 + 4, x1, w0, w1, std::make_integer_sequence<int, R - 4>());
-    }
+    stream_lanes(a0, a1, x0, w0, w1, std::make_integer_sequence<int, R>());
   }
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(acc + r * NR, a0[r]);
@@ -804,9 +805,8 @@ static inline void stream_kernel(const float* xt, const float* w, int64_t kc, fl
 }
 
 void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* acc, bool first) {
+  static_assert(STREAM_ROWS_AVX2 == 4, "stream_rows has AVX2 kernels for 1-4 rows");
   switch (r) {
-    case 6: return stream_kernel<6>(xt, w, kc, acc, first);
-    case 5: return stream_kernel<5>(xt, w, kc, acc, first);
     case 4: return stream_kernel<4>(xt, w, kc, acc, first);
     case 3: return stream_kernel<3>(xt, w, kc, acc, first);
     case 2: return stream_kernel<2>(xt, w, kc, acc, first);
@@ -816,11 +816,10 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 
 // y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads take runs of
 // panels, K in blocks of KC (a panel's block stays in L1 for every pass), rows in even passes of at
-// most 8 (AVX-512; the AVX2 form takes at most STREAM_MAX_F32_AVX2 rows, in one pass).
+// most 8 (AVX-512) or STREAM_ROWS_AVX2 (AVX2).
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  check(g_avx512 || M <= STREAM_MAX_F32_AVX2, "the AVX2 one-stream form takes at most 6 rows");
-  const int64_t nrb = (M + 7) / 8;
+  const int64_t nrb = g_avx512 ? (M + 7) / 8 : (M + 3) / 4;
   std::vector<float> xt(nrb * K * 8);  // each pass's rows, transposed, K * 8 floats a pass
   int64_t pass = 0;
   even_row_blocks(M, nrb, [&](int64_t m, int64_t r) { transpose_rows8(xa + m * K, r, K, xt.data() + pass++ * K * 8); });
@@ -1592,7 +1591,7 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
       case torch::kChar:
         return linear_wide(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
       default:
-        if (M >= STREAM_MIN_F32 && (g_avx512 || M <= STREAM_MAX_F32_AVX2))
+        if (M >= STREAM_MIN_F32)
           return linear_stream_f32(xa, M, packed.data_ptr<float>(), K, NP, ba, n, ya, res, pf);
         return linear_wide(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
     }
