@@ -729,8 +729,8 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // registers; a 6-row pass did not): at 4 rows a step ran 1.40x faster than on the wide form
 // (kernel-ab-fp32-stream-avx2.json); from 5 rows, in passes of at most 4 rather than on the wide
 // form (whose fp32 panels are read in place with no prefetch, four streams a thread: at 8 rows its
-// GEMMs took about twice their time on cache-resident weights), a step at 8 rows 1.46x faster
-// (benchmarks/results/kernel-ab-fp32-stream-avx2-passes.json).
+// GEMMs took about twice their time on cache-resident weights), a step at 8 rows 1.45x faster, at
+// 6 rows 1.10x, at 16 rows 1.17x (benchmarks/results/kernel-ab-fp32-stream-avx2-passes.json).
 constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4;
 
 // x rows m .. m + r (r <= 8) transposed by k: xt[k * 8 + i] = x[m + i, k] (lanes r..7 zero).
