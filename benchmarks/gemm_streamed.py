@@ -11,7 +11,9 @@ dtype and row count:
               the same multiply-adds on 14 MB (fp32) that stay in the last-level cache.
 streamed / resident is what streaming costs on top of the arithmetic (1.0: fully hidden). The
 LM head, attention, norms and the engine are left out. Both are timed in interleaved rounds
-(best of each); the machine's read bandwidth is measured in the same run.
+(best of each); the machine's read bandwidth and fp32 multiply-add rate (``kernels.fma_peak_gflops``,
+in the kernels' form) are measured in the same run, and the fp32-activation dtypes (FP32_FMA: each
+weight widened to fp32, one FMA per multiply-add) get their GFLOP/s as a fraction of that rate.
 Run from the repository root:
     .venv/bin/python benchmarks/gemm_streamed.py [OUT.json] [--rows 1,8,32] [--dtypes float32,int8,...]
 """
@@ -25,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-from skipdecode import LLM
+from skipdecode import LLM, kernels
 from skipdecode.bench.decode import layer_linears, machine_info
 from skipdecode.bench.llamacpp import read_bandwidth_gbs
 
 DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
+FP32_FMA = ("float32", "bfloat16", "int8", "int4")  # the others' integer dot products have other roofs
 ROWS = (1, 8, 32)
 ROUNDS, CALLS = 6, 3
 
@@ -87,6 +90,8 @@ def main() -> None:
         del args[i:i + 2]
     out = Path(args[0]) if args else Path("benchmarks/results/gemm-streamed.json")
     bw = read_bandwidth_gbs()
+    k = kernels.load()
+    fma = kernels.fma_peak_gflops(k) if k is not None else None
     results = []
     for dt in dtypes:
         for b in rows:
@@ -96,12 +101,20 @@ def main() -> None:
                   f"{r['streamed_gbs']:5.1f} GB/s)  resident {r['resident_ms']:7.2f} ms ({r['resident_gflops']:6.1f} GF/s)"
                   f"  {r['streamed_over_resident']:.2f}x", flush=True)
     bw = max(bw, read_bandwidth_gbs())
+    if fma:
+        fma = max(fma, kernels.fma_peak_gflops(k))
+        for r in results:
+            if r["dtype"] in FP32_FMA:
+                r["streamed_of_fma_peak"] = round(r["streamed_gflops"] / fma, 3)
+                r["resident_of_fma_peak"] = round(r["resident_gflops"] / fma, 3)
     report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
               "model": "default-e2e", "read_bandwidth_gbs": round(bw, 1),
+              "fma_peak_gflops": round(fma, 1) if fma else None,
+              "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()} if k is not None else None,
               "timing": f"best of {ROUNDS} interleaved rounds of {CALLS} passes each, after a warm-up pass",
               "command": "python benchmarks/gemm_streamed.py " + " ".join(sys.argv[1:]), "results": results}
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"read bandwidth {bw:.1f} GB/s; wrote {out}")
+    print(f"read bandwidth {bw:.1f} GB/s" + (f", fp32 FMA rate {fma:.0f} GFLOP/s" if fma else "") + f"; wrote {out}")
 
 
 if __name__ == "__main__":
