@@ -373,6 +373,8 @@ constexpr int64_t WIDE_ROWS_AVX512 = 6, WIDE_ROWS_AVX2 = 4;
 // block's first weight and (int4) first group's scales, as in the narrow kernels.
 static inline void widen_block(const uint16_t* w, const uint16_t*, int64_t kc, float* out) {
   for (int64_t k = 0; k < kc; ++k) {
+    // one 64-byte line per 2 k, PF_BYTES ahead, as the int8 and int4 forms ask for theirs
+    if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_BYTES, _MM_HINT_T0);
     __m256 w0, w1;
     load_w(w + k * NR, w0, w1);
     _mm256_storeu_ps(out + k * NR, w0);
@@ -409,7 +411,10 @@ static inline void widen_block(const uint8_t* w, const uint16_t* s, int64_t kc, 
 
 // The same with AVX-512 (one register per panel row): identical values.
 SD_AVX512 static inline void widen_block512(const uint16_t* w, const uint16_t*, int64_t kc, float* out) {
-  for (int64_t k = 0; k < kc; ++k) _mm512_storeu_ps(out + k * NR, load_w16(w + k * NR));
+  for (int64_t k = 0; k < kc; ++k) {
+    if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_BYTES, _MM_HINT_T0);
+    _mm512_storeu_ps(out + k * NR, load_w16(w + k * NR));
+  }
 }
 SD_AVX512 static inline void widen_block512(const int8_t* w, const uint16_t*, int64_t kc, float* out) {
   int64_t k = 0;
