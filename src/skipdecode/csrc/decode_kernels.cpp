@@ -731,11 +731,12 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // (benchmarks/results/kernel-ab-fp32-stream.json): from STREAM_MIN_F32 rows, where a pass has
 // enough FMA chains (one per row) to keep up with the stream. The AVX2 form takes at most
 // STREAM_ROWS_AVX2 rows a pass (8 sums, the two weight halves and the activations fit its 16
-// registers; a 6-row pass did not): at 4 rows a step ran 1.40x faster than on the wide form
+// registers; at 6 rows two passes of 3 ran a step 1.10x faster than one of 6, in the A/B below):
+// at 4 rows a step ran 1.40x faster than on the wide form
 // (kernel-ab-fp32-stream-avx2.json); from 5 rows, in passes of at most 4 rather than on the wide
-// form (whose fp32 panels are read in place with no prefetch, four streams a thread: at 8 rows its
-// GEMMs took about twice their time on cache-resident weights), a step at 8 rows 1.45x faster, at
-// 6 rows 1.10x, at 16 rows 1.17x (benchmarks/results/kernel-ab-fp32-stream-avx2-passes.json).
+// form (whose fp32 panels are read in place with no prefetch, four streams a thread: a step at 8
+// rows ran its weights at 31% of the AVX2 FMA rate, where int8 and int4 ran at 63-66%), a step at
+// 8 rows 1.45x faster and at 16 rows 1.17x (benchmarks/results/kernel-ab-fp32-stream-avx2-passes.json).
 constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4;
 
 // x rows m .. m + r (r <= 8) transposed by k: xt[k * 8 + i] = x[m + i, k] (lanes r..7 zero).
