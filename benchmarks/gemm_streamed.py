@@ -12,7 +12,7 @@ dtype and row count:
 streamed / resident is what streaming costs on top of the arithmetic (1.0: fully hidden). The
 LM head, attention, norms and the engine are left out. Both are timed in interleaved rounds
 (best of each); the machine's read bandwidth and fp32 multiply-add rate (``kernels.fma_peak_gflops``,
-in the kernels' form) are measured in the same run, and the fp32-activation dtypes (FP32_FMA: each
+in the kernels' form) are measured in the same run, and the fp32-activation dtypes (FP32_FMA_DTYPES: each
 weight widened to fp32, one FMA per multiply-add) get their GFLOP/s as a fraction of that rate.
 Run from the repository root:
     .venv/bin/python benchmarks/gemm_streamed.py [OUT.json] [--rows 1,8,32] [--dtypes float32,int8,...]
@@ -29,10 +29,9 @@ import torch
 
 from skipdecode import LLM, kernels
 from skipdecode.bench.decode import layer_linears, machine_info
-from skipdecode.bench.llamacpp import read_bandwidth_gbs
+from skipdecode.bench.llamacpp import FP32_FMA_DTYPES, read_bandwidth_gbs
 
 DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
-FP32_FMA = ("float32", "bfloat16", "int8", "int4")  # the others' integer dot products have other roofs
 ROWS = (1, 8, 32)
 ROUNDS, CALLS = 6, 3
 
@@ -104,7 +103,7 @@ def main() -> None:
     if fma:
         fma = max(fma, kernels.fma_peak_gflops(k))
         for r in results:
-            if r["dtype"] in FP32_FMA:
+            if r["dtype"] in FP32_FMA_DTYPES:
                 r["streamed_of_fma_peak"] = round(r["streamed_gflops"] / fma, 3)
                 r["resident_of_fma_peak"] = round(r["resident_gflops"] / fma, 3)
     report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,

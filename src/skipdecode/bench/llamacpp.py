@@ -47,10 +47,11 @@ PEER_TYPE = {"float32": "f32", "int8": "q8_0", "w8a8": "q8_0", "w8a16": "q8_0",
 # The dtypes that match their peer in activations too: llama.cpp's CPU dot products take Q8_0
 # activations for Q8_0 and Q4_0 weights (ggml-cpu's vec_dot_type) and fp32 ones for F32.
 SAME_ACTIVATIONS = ("float32", "w8a8", "w4a8")
-# The engines whose dot products are fp32 multiply-adds (skipdecode's widen each weight to fp32 and
-# keep fp32 activations): the fp32 FMA rate is their roof; the integer dot products of w8a8, w4a8,
-# w8a16, w4a16, Q8_0 and Q4_0 have other roofs.
-FP32_FMA = ("skipdecode", "skipdecode-bfloat16", "skipdecode-int8", "skipdecode-int4", "llama.cpp-f32")
+# The dtypes whose dot products are fp32 multiply-adds (each weight widened to fp32, fp32
+# activations): the fp32 FMA rate is their roof; the integer dot products of w8a8, w4a8, w8a16,
+# w4a16, Q8_0 and Q4_0 have other roofs. FP32_FMA: the engines that run them here.
+FP32_FMA_DTYPES = ("float32", "bfloat16", "int8", "int4")
+FP32_FMA = frozenset(ENGINE_NAMES[d] for d in FP32_FMA_DTYPES) | {"llama.cpp-f32"}
 LLAMACPP_VENV = ".venv-llamacpp"
 GGUF_CACHE = "llamacpp"  # the GGUFs this bench makes live in $SKIPDECODE_CACHE/llamacpp/<model>
 
@@ -149,13 +150,18 @@ def gguf_step_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in r.tensors if not (t.name == "token_embd.weight" and "output.weight" in names))
 
 
+def step_linears(llm: LLM) -> list:
+    """The linears one full-depth decode position runs: every block's, then the LM head."""
+    net = llm.model
+    return [getattr(blk, n) for blk in net.layers for n in BLOCK_LINEARS] + [net.lm_head]
+
+
 def step_bytes(llm: LLM) -> int:
     """Bytes of weights one batch-1 decode step of ``llm`` reads at full depth: every block linear and
     the LM head, in their stored dtype (int8: plus one bf16 scale per output channel; int4: half a
     byte per weight plus one bf16 scale per output channel and 32 inputs)."""
-    net = llm.model
     total = 0
-    for m in [getattr(blk, n) for blk in net.layers for n in BLOCK_LINEARS] + [net.lm_head]:
+    for m in step_linears(llm):
         w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
         total += {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
                   "int4": n * k // 2 + 2 * n * (k // 32)}[w]
@@ -165,9 +171,7 @@ def step_bytes(llm: LLM) -> int:
 def step_macs(llm: LLM) -> int:
     """Multiply-adds of the weights in one decode position at full depth: every block linear and
     the LM head (attention over the KV cache, norms and activations are left out)."""
-    net = llm.model
-    return sum(m.out_features * m.in_features
-               for m in [getattr(blk, n) for blk in net.layers for n in BLOCK_LINEARS] + [net.lm_head])
+    return sum(m.out_features * m.in_features for m in step_linears(llm))
 
 
 def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0, probe: torch.Tensor | None = None) -> float:
