@@ -386,8 +386,8 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_event(chat_model_dir):
 
 
 def test_unknown_fields_are_accepted_with_a_warning_and_known_ones_still_validated(server):
-    body = {"model": NAME, "prompt": "hi", "max_tokens": 3, "tools": [{"type": "function"}],
-            "response_format": {"type": "text"}, "vendor_flag": 1, "stream_options": None}
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 3, "temperature": 0, "tools": [{"type": "function"}],
+            "response_format": {"type": "text"}, "vendor_flag": 1, "stream_options": None}  # greedy: EOS never wins
     status, _, out = _post(server, "/v1/completions", body)
     assert status == 200 and out["usage"]["completion_tokens"] == 3
     status, _, out = _post(server, "/v1/chat/completions",
