@@ -283,7 +283,8 @@ def test_queue_full_is_429_with_retry_after(chat_model_dir):
         for _ in range(5):
             conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
             conn.request("POST", "/v1/completions", body=json.dumps(
-                {"model": str(chat_model_dir), "prompt": "Tell a long story.", "max_tokens": 480, "stream": True}),
+                {"model": str(chat_model_dir), "prompt": "Tell a long story.", "max_tokens": 480, "temperature": 0,
+                 "stream": True}),
                 headers={"Content-Type": "application/json"})
             r = conn.getresponse()
             r.readline()
