@@ -551,6 +551,11 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "skipdecode kernel: ", w
 // of every row and KV head). The GEMMs of a decode step are compute bound at
 // batch 8-32 while attention is bound by memory; pulling the next layer's
 // keys/values toward the caches during a GEMM overlaps the two.
+// Up to PF_KV_MAX_BYTES only: a layer's keys/values of 8 rows and more (over 1 MB at ~100
+// positions) asked for this way cost an Intel Xeon more than attention saved (perf put the
+// prefetch loop among a 32-row step's hottest code, beside the weight stream; decode steps at 32 rows 1.09-1.19x
+// faster without them, int8 at 8 rows 1.04x: benchmarks/results/kernel-ab-kv-prefetch-cap.json).
+constexpr int64_t PF_KV_MAX_BYTES = 1 << 20;
 struct Prefetch {
   std::vector<const char*> base;
   std::vector<int64_t> first_line;  // prefix sums of lines per range, size ranges + 1
@@ -2173,6 +2178,7 @@ void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Ten
       }
     }
   }
+  if (pf.lines() * 64 > PF_KV_MAX_BYTES) pf = Prefetch();  // see PF_KV_MAX_BYTES
   linear_into(nrm, B, L.w13, L.s13, bp(L.b13), 2 * I, gu, nullptr, a8, pf);
   silu_mul_rows(gu, B, I, act);
   linear_into(act, B, L.w2, L.s2, bp(L.b2), D, ha, ha, a8);
