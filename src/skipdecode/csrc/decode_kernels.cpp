@@ -553,8 +553,9 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "skipdecode kernel: ", w
 // keys/values toward the caches during a GEMM overlaps the two.
 // Up to PF_KV_MAX_BYTES only: a layer's keys/values of 8 rows and more (over 1 MB at ~100
 // positions) asked for this way cost an Intel Xeon more than attention saved (perf put the
-// prefetch loop among a 32-row step's hottest code, beside the weight stream; decode steps at 32 rows 1.09-1.19x
-// faster without them, int8 at 8 rows 1.04x: benchmarks/results/kernel-ab-kv-prefetch-cap.json).
+// prefetch loop among a 32-row step's hottest code, beside the weight stream; decode steps at
+// 32 rows 1.09-1.19x faster without them, int8 at 8 rows 1.04x:
+// benchmarks/results/kernel-ab-kv-prefetch-cap.json).
 constexpr int64_t PF_KV_MAX_BYTES = 1 << 20;
 struct Prefetch {
   std::vector<const char*> base;
@@ -780,7 +781,7 @@ SD_AVX512 static inline void stream_kernel512(const float* xt, const float* w, i
 
 // Two panels at once (w and w2, acc2 their second panel's sums): each broadcast feeds two FMAs and
 // 2R chains are in flight (R >= 4: the caller takes this form only for passes of 4 rows or more);
-// each row's activation is a broadcast load, not a permute (fewer port-5 operations per FMA).
+// each row's activation is one broadcast load for two FMAs, not a permute.
 template <int R>
 SD_AVX512 static inline void stream_kernel512x2(const float* xt, const float* w, const float* w2, int64_t kc,
                                                 float* acc, float* acc2, bool first) {
