@@ -877,46 +877,34 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
   const int64_t nrb = g_avx512 ? (M + 7) / 8 : (M + 3) / 4;
+  const bool pairs = g_avx512 && nrb >= 2 && M >= 4 * nrb;  // two panels a pass: 2+ passes of 4+ rows each
   std::vector<float> xt(nrb * K * 8);  // each pass's rows, transposed, K * 8 floats a pass
   int64_t pass = 0;
   even_row_blocks(M, nrb, [&](int64_t m, int64_t r) { transpose_rows8(xa + m * K, r, K, xt.data() + pass++ * K * 8); });
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
     acc.resize(2 * M * NR);
-    int64_t p = p0;
-    if (g_avx512 && nrb >= 2 && M >= 4 * nrb)  // two panels a pass: 2+ passes of 4+ rows each
-      for (; p + 2 <= p1; p += 2) {
-        pf.part(p, NP);
-        pf.part(p + 1, NP);
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-          const int64_t kc = std::min(KC, K - k0);
-          const float* w = wa + (p * K + k0) * NR;
-          int64_t pass = 0;
-          even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
-            stream_rows512x2(r, xt.data() + (pass++ * K + k0) * 8, w, w + K * NR, kc, acc.data() + m * NR,
-                             acc.data() + (M + m) * NR, k0 == 0);
-          });
-        }
-        for (int64_t q = 0; q < 2; ++q)
-          store_rows(M, acc.data() + q * M * NR, ya + (p + q) * NR, n, std::min(NR, n - (p + q) * NR), nullptr,
-                     ba ? ba + (p + q) * NR : nullptr, res ? res + (p + q) * NR : nullptr);
-      }
-    for (; p < p1; ++p) {
-      pf.part(p, NP);
+    for (int64_t p = p0, np; p < p1; p += np) {
+      np = pairs && p + 2 <= p1 ? 2 : 1;
+      for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const float* w = wa + (p * K + k0) * NR;
         int64_t pass = 0;
         even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
           const float* x = xt.data() + (pass++ * K + k0) * 8;
-          if (g_avx512)
-            stream_rows512(r, x, w, kc, acc.data() + m * NR, k0 == 0);
+          float* a = acc.data() + m * NR;
+          if (np == 2)
+            stream_rows512x2(r, x, w, w + K * NR, kc, a, a + M * NR, k0 == 0);
+          else if (g_avx512)
+            stream_rows512(r, x, w, kc, a, k0 == 0);
           else
-            stream_rows(r, x, w, kc, acc.data() + m * NR, k0 == 0);
+            stream_rows(r, x, w, kc, a, k0 == 0);
         });
       }
-      store_rows(M, acc.data(), ya + p * NR, n, std::min(NR, n - p * NR), nullptr, ba ? ba + p * NR : nullptr,
-                 res ? res + p * NR : nullptr);
+      for (int64_t q = 0; q < np; ++q)
+        store_rows(M, acc.data() + q * M * NR, ya + (p + q) * NR, n, std::min(NR, n - (p + q) * NR), nullptr,
+                   ba ? ba + (p + q) * NR : nullptr, res ? res + (p + q) * NR : nullptr);
     }
   });
 }
