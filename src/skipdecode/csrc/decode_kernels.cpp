@@ -726,10 +726,10 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // streamed them at well under the machine's read bandwidth: it reads WP panels at once (four
 // streams per thread) and, at 32 rows, re-reads each K block from L1 for five more row blocks
 // while nothing is asked of memory. Here each thread reads its panels one after another (one
-// stream), every pass of up to 8 rows asks for the line PF_STREAM bytes ahead (so memory stays
-// busy while later passes work from L1), and a row's activation is broadcast from a register
-// (four k of up to 8 rows transposed into one 128-bit load, vpermilps per row) instead of a load
-// per row and k: the loads a k takes stay few, so the core keeps more weight lines in flight.
+// stream), every pass asks for a line ahead (so memory stays busy while later passes work from
+// L1), and a row's activation is broadcast from a register (first in both forms, now the AVX2
+// form's: four k of a pass's rows transposed into one 128-bit load, vpermilps per row) instead of
+// a load per row and k: the loads a k takes stay few, so the core keeps more weight lines in flight.
 // In a stand-alone loop over default-e2e's gate/up shapes (AMD EPYC Zen 5) this streamed 8 rows at
 // about the pure read's time, the wide form well over it. Each output is still one FMA
 // chain over k in order: the same bits as the wide form. A decode step of default-e2e at 8 rows
@@ -743,90 +743,65 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // form (whose fp32 panels are read in place with no prefetch, four streams a thread: a step at 8
 // rows ran its weights at 31% of the AVX2 FMA rate, where int8 and int4 ran at 63-66%), a step at
 // 8 rows 1.45x faster and at 16 rows 1.17x (benchmarks/results/kernel-ab-fp32-stream-avx2-passes.json).
-// With two passes or more (9+ rows) the AVX-512 form runs two panels a pass (stream_kernel512x2):
-// each k's row activations are broadcast once for two weight vectors and twice the FMA chains are
-// in flight (broadcast loads in place of the one-panel form's permutes alone did not change its
-// time). On an Intel Xeon (AMX, 30 GB/s) decode steps of default-e2e ran 1.26x faster at 32 rows,
-// 1.20x at 16, 1.16x at 12, 1.20x at 32 rows and 3x; 8 rows (one pass, one panel) the same
-// (benchmarks/results/kernel-ab-fp32-stream-two-panels.json). Same FMA chains, same bits.
-constexpr int64_t PF_STREAM = 16384, STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4;
+// The AVX-512 form runs two panels a pass (a thread's odd last panel alone) in passes of up to
+// STREAM_ROWS_AVX512 rows: each k's row activations are broadcast loads, each feeding two FMAs,
+// and up to 24 FMA chains are in flight; its prefetch asks for the line PF_BYTES (4 KB) ahead.
+// On an Intel Xeon (AMX, 30 GB/s), two panels a pass from 9 rows (passes of up to 8) first ran
+// decode steps of default-e2e 1.26x faster at 32 rows, 1.20x at 16, 1.16x at 12 than one panel
+// (benchmarks/results/kernel-ab-fp32-stream-two-panels.json; broadcast loads in place of the
+// one-panel form's permutes alone did not change its time). Two panels from 4 rows, passes of up
+// to 12 and the prefetch 4 KB instead of 16 KB ahead then ran steps 1.15x faster at 4 rows, 1.11x
+// at 8, 1.04x at 16, 1.10x at 32 and 1.05x at 32 rows and 3x
+// (benchmarks/results/kernel-ab-fp32-stream-rows12.json).
+// Same FMA chains in the same order whatever the passes: the same bits.
+constexpr int64_t STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4, STREAM_ROWS_AVX512 = 12;
+constexpr int64_t PF_STREAM = 16384;  // the AVX2 form's prefetch distance (timed on the AMD EPYC)
 
-// x rows m .. m + r (r <= 8) transposed by k: xt[k * 8 + i] = x[m + i, k] (lanes r..7 zero).
-inline void transpose_rows8(const float* x, int64_t r, int64_t K, float* xt) {
-  std::fill(xt, xt + K * 8, 0.f);
+// x rows m .. m + r transposed by k with ld (>= r) floats per k: xt[k * ld + i] = x[m + i, k]
+// (lanes r..ld-1 zero).
+inline void transpose_rows(const float* x, int64_t r, int64_t K, int64_t ld, float* xt) {
+  std::fill(xt, xt + K * ld, 0.f);
   for (int64_t i = 0; i < r; ++i)
-    for (int64_t k = 0; k < K; ++k) xt[k * 8 + i] = x[i * K + k];
+    for (int64_t k = 0; k < K; ++k) xt[k * ld + i] = x[i * K + k];
 }
 
-// a[i] += (lane i of the 8 rows' activations at one k, broadcast) * wv, for i in I.
-template <int... I>
-SD_AVX512 static inline void fma_lanes(__m512* a, __m512 x0, __m512 x1, __m512 wv, std::integer_sequence<int, I...>) {
-  ((a[I] = _mm512_fmadd_ps(_mm512_permute_ps(I < 4 ? x0 : x1, (I % 4) * 0x55), wv, a[I])), ...);
-}
-
-// R rows (1-8, transposed, xt at the block's first k) x one panel over kc k: acc [R, NR] running sums.
-template <int R>
-SD_AVX512 static inline void stream_kernel512(const float* xt, const float* w, int64_t kc, float* acc, bool first) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
+// R rows (xt: transposed, R floats per k, at the block's first k) x P panels (the second ldw
+// floats after the first) over kc k: acc [P][lda / NR rows][NR] running sums, the rows' at acc.
+template <int R, int P>
+SD_AVX512 static inline void stream_kernel512(const float* xt, const float* w, int64_t ldw, int64_t kc, float* acc,
+                                              int64_t lda, bool first) {
+  __m512 a[P][R];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) a[p][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + p * lda + r * NR);
   for (int64_t k = 0; k < kc; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_STREAM, _MM_HINT_T0);
-    const __m512 wv = _mm512_loadu_ps(w + k * NR);
-    const __m512 x0 = _mm512_broadcast_f32x4(_mm_loadu_ps(xt + k * 8));
-    const __m512 x1 = R > 4 ? _mm512_broadcast_f32x4(_mm_loadu_ps(xt + k * 8 + 4)) : x0;
-    fma_lanes(a, x0, x1, wv, std::make_integer_sequence<int, R>());
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * NR, a[r]);
-}
-
-// Two panels at once (w and w2, acc2 their second panel's sums): each broadcast feeds two FMAs and
-// 2R chains are in flight (R >= 4: the caller takes this form only for passes of 4 rows or more);
-// each row's activation is one broadcast load for two FMAs, not a permute.
-template <int R>
-SD_AVX512 static inline void stream_kernel512x2(const float* xt, const float* w, const float* w2, int64_t kc,
-                                                float* acc, float* acc2, bool first) {
-  __m512 a[R], b[R];
-  for (int r = 0; r < R; ++r) {
-    a[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
-    b[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc2 + r * NR);
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_STREAM, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w2 + k * NR) + PF_STREAM, _MM_HINT_T0);
-    const __m512 wv = _mm512_loadu_ps(w + k * NR), wv2 = _mm512_loadu_ps(w2 + k * NR);
+    __m512 wv[P];
+    for (int p = 0; p < P; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * ldw + k * NR) + PF_BYTES, _MM_HINT_T0);
+      wv[p] = _mm512_loadu_ps(w + p * ldw + k * NR);
+    }
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(xt[k * 8 + r]);
-      a[r] = _mm512_fmadd_ps(xv, wv, a[r]);
-      b[r] = _mm512_fmadd_ps(xv, wv2, b[r]);
+      const __m512 xv = _mm512_set1_ps(xt[k * R + r]);
+      for (int p = 0; p < P; ++p) a[p][r] = _mm512_fmadd_ps(xv, wv[p], a[p][r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * NR, a[r]);
-    _mm512_storeu_ps(acc2 + r * NR, b[r]);
-  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + p * lda + r * NR, a[p][r]);
 }
 
-SD_AVX512 void stream_rows512x2(int64_t r, const float* xt, const float* w, const float* w2, int64_t kc, float* acc,
-                                float* acc2, bool first) {
+template <int P>
+SD_AVX512 void stream_rows512(int64_t r, const float* xt, const float* w, int64_t ldw, int64_t kc, float* acc,
+                              int64_t lda, bool first) {
+  static_assert(STREAM_ROWS_AVX512 == 12, "stream_rows512 has kernels for 4-12 rows");
   switch (r) {
-    case 8: return stream_kernel512x2<8>(xt, w, w2, kc, acc, acc2, first);
-    case 7: return stream_kernel512x2<7>(xt, w, w2, kc, acc, acc2, first);
-    case 6: return stream_kernel512x2<6>(xt, w, w2, kc, acc, acc2, first);
-    case 5: return stream_kernel512x2<5>(xt, w, w2, kc, acc, acc2, first);
-    default: return stream_kernel512x2<4>(xt, w, w2, kc, acc, acc2, first);
-  }
-}
-
-SD_AVX512 void stream_rows512(int64_t r, const float* xt, const float* w, int64_t kc, float* acc, bool first) {
-  switch (r) {
-    case 8: return stream_kernel512<8>(xt, w, kc, acc, first);
-    case 7: return stream_kernel512<7>(xt, w, kc, acc, first);
-    case 6: return stream_kernel512<6>(xt, w, kc, acc, first);
-    case 5: return stream_kernel512<5>(xt, w, kc, acc, first);
-    case 4: return stream_kernel512<4>(xt, w, kc, acc, first);
-    case 3: return stream_kernel512<3>(xt, w, kc, acc, first);
-    case 2: return stream_kernel512<2>(xt, w, kc, acc, first);
-    default: return stream_kernel512<1>(xt, w, kc, acc, first);
+    case 12: return stream_kernel512<12, P>(xt, w, ldw, kc, acc, lda, first);
+    case 11: return stream_kernel512<11, P>(xt, w, ldw, kc, acc, lda, first);
+    case 10: return stream_kernel512<10, P>(xt, w, ldw, kc, acc, lda, first);
+    case 9: return stream_kernel512<9, P>(xt, w, ldw, kc, acc, lda, first);
+    case 8: return stream_kernel512<8, P>(xt, w, ldw, kc, acc, lda, first);
+    case 7: return stream_kernel512<7, P>(xt, w, ldw, kc, acc, lda, first);
+    case 6: return stream_kernel512<6, P>(xt, w, ldw, kc, acc, lda, first);
+    case 5: return stream_kernel512<5, P>(xt, w, ldw, kc, acc, lda, first);
+    default: return stream_kernel512<4, P>(xt, w, ldw, kc, acc, lda, first);
   }
 }
 
@@ -838,8 +813,8 @@ static inline void stream_lanes(__m256* a0, __m256* a1, __m256 x, __m256 w0, __m
     a1[I] = _mm256_fmadd_ps(_mm256_permute_ps(x, I * 0x55), w1, a1[I])), ...);
 }
 
-// The AVX2 form: a panel row is two registers, so a pass takes at most STREAM_ROWS_AVX2 rows;
-// the same operations per output.
+// The AVX2 form: a panel row is two registers, so a pass takes at most STREAM_ROWS_AVX2 rows
+// (xt: STREAM_ROWS_AVX2 floats per k, one 128-bit load); the same operations per output.
 template <int R>
 static inline void stream_kernel(const float* xt, const float* w, int64_t kc, float* acc, bool first) {
   static_assert(R >= 1 && R <= STREAM_ROWS_AVX2, "one 128-bit load holds a pass's activations at one k");
@@ -851,7 +826,7 @@ static inline void stream_kernel(const float* xt, const float* w, int64_t kc, fl
   for (int64_t k = 0; k < kc; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_STREAM, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
-    const __m256 x0 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xt + k * 8));
+    const __m256 x0 = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xt + k * STREAM_ROWS_AVX2));
     stream_lanes(a0, a1, x0, w0, w1, std::make_integer_sequence<int, R>());
   }
   for (int r = 0; r < R; ++r) {
@@ -871,33 +846,36 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 }
 
 // y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads take runs of
-// panels (one at a time; two at a time in the AVX-512 form from two passes on), K in blocks of KC
-// (a panel's block stays in L1 for every pass), rows in even passes of at most 8 (AVX-512) or
-// STREAM_ROWS_AVX2 (AVX2).
+// panels (two at a time in the AVX-512 form, one in the AVX2 form), K in blocks of KC (a block of
+// the panels stays in L1 for every pass), rows in even passes of at most STREAM_ROWS_AVX512 or
+// STREAM_ROWS_AVX2, each pass's rows transposed once (xt) so a k's activations are adjacent.
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  const int64_t nrb = g_avx512 ? (M + 7) / 8 : (M + 3) / 4;
-  const bool pairs = g_avx512 && nrb >= 2 && M >= 4 * nrb;  // two panels a pass: 2+ passes of 4+ rows each
-  std::vector<float> xt(nrb * K * 8);  // each pass's rows, transposed, K * 8 floats a pass
+  const int64_t rows = g_avx512 ? STREAM_ROWS_AVX512 : STREAM_ROWS_AVX2, nrb = (M + rows - 1) / rows;
+  const int64_t panels = g_avx512 ? 2 : 1;
+  const auto ld = [&](int64_t r) { return g_avx512 ? r : STREAM_ROWS_AVX2; };  // floats per k of a pass's xt
+  std::vector<float> xt(nrb * rows * K);  // pass b's rows at xt + b * rows * K
   int64_t pass = 0;
-  even_row_blocks(M, nrb, [&](int64_t m, int64_t r) { transpose_rows8(xa + m * K, r, K, xt.data() + pass++ * K * 8); });
+  even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
+    transpose_rows(xa + m * K, r, K, ld(r), xt.data() + pass++ * rows * K);
+  });
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
-    acc.resize(2 * M * NR);
+    acc.resize(panels * M * NR);
     for (int64_t p = p0, np; p < p1; p += np) {
-      np = pairs && p + 2 <= p1 ? 2 : 1;
+      np = std::min(panels, p1 - p);
       for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
         const float* w = wa + (p * K + k0) * NR;
         int64_t pass = 0;
         even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
-          const float* x = xt.data() + (pass++ * K + k0) * 8;
+          const float* x = xt.data() + pass++ * rows * K + k0 * ld(r);
           float* a = acc.data() + m * NR;
           if (np == 2)
-            stream_rows512x2(r, x, w, w + K * NR, kc, a, a + M * NR, k0 == 0);
+            stream_rows512<2>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
           else if (g_avx512)
-            stream_rows512(r, x, w, kc, a, k0 == 0);
+            stream_rows512<1>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
           else
             stream_rows(r, x, w, kc, a, k0 == 0);
         });
