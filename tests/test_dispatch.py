@@ -404,3 +404,41 @@ def test_int8_activation_models_follow_fp32_and_a_row_never_depends_on_its_batch
     alone = [run([(p, kw)])[0] for p, kw in zip(prompts, kinds)]
     assert together == alone
     assert together[2] == run([(prompts[2], {})])[0]  # lossless: 1x's tokens
+
+
+def test_the_last_level_cache_is_the_largest_data_cache_of_the_highest_level_sysfs_lists(tmp_path):
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                             (3, "Unified", "491520K")]):
+        d = tmp_path / "cache" / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert dispatch.cache_bytes(tmp_path) == 491520 * 1024
+    (tmp_path / "cache" / "index3" / "size").write_text("garbled\n")
+    assert dispatch.cache_bytes(tmp_path) == 2048 * 1024  # an unreadable entry is left out
+    assert dispatch.cache_bytes(tmp_path / "nowhere") == 0
+
+
+def test_median_times_runs_the_untimed_preparation_before_every_call():
+    log = []
+    dispatch._median_times([lambda: log.append("a"), lambda: log.append("b")], 3, before=lambda: log.append("-"))
+    assert log == ["-", "a"] * 2 + ["-", "b"] * 2 + ["-", "a", "-", "b"] * 3
+
+
+@needs_kernels
+@pytest.mark.parametrize("llc", [0, 1 << 20])
+def test_a_weight_timed_alone_is_read_cold_where_the_last_level_cache_would_hold_it(monkeypatch, llc):
+    """A weight of COLD_BYTES or more is timed as one copy: where it fits the last-level cache, each
+    timed call follows a read of more than that cache (as a step reads it after every layer)."""
+    monkeypatch.setattr(dispatch, "COLD_BYTES", 1000.0)  # a 48 x 32 fp32 weight (6 KB) is then timed alone
+    monkeypatch.setattr(dispatch, "llc_bytes", lambda: llc)
+    seen = []
+    real = dispatch._median_times
+    monkeypatch.setattr(dispatch, "_median_times", lambda fns, n, before=None: seen.append(before) or real(fns, n))
+    times = dispatch.time_forms(48, 32, kernels.load(), reps=2)
+    assert len(seen) == len(dispatch.BUCKETS) and all(len(t) == len(dispatch.BUCKETS) for t in times.values())
+    if llc:
+        assert all(callable(b) for b in seen)
+    else:
+        assert all(b is None for b in seen)  # no cache size known: nothing to read past

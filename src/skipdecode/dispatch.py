@@ -48,6 +48,7 @@ PANELS_ONLY = tuple(d for d, lib in LIBRARY.items() if lib == "dense")  # dtypes
 # Not all: some report more (an Intel Xeon in docs/results.md has a 300 MiB L3); there the timings
 # are of weights still in L3, as a small or quantized model's weights may also be when it runs.
 COLD_BYTES = 96e6
+TIMING = 2  # how time_forms measures: part of the cache key, so plans timed another way are timed again
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
 
@@ -122,16 +123,44 @@ def choose(timings: dict[str, Sequence[float]]) -> tuple[str, ...]:
     return tuple(min(forms, key=lambda f: (timings[f][i], forms.index(f))) for i in range(len(BUCKETS)))
 
 
-def _median_times(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+def cache_bytes(cpu_dir: Path) -> int:
+    """The largest data or unified cache of the highest level listed under a sysfs CPU directory's
+    ``cache/index*`` (level, type, size such as ``491520K``); 0 where none is readable."""
+    best = (0, 0)
+    for d in (cpu_dir / "cache").glob("index*"):
+        try:
+            level, kind = int((d / "level").read_text()), (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        digits, unit = size.rstrip("KMG"), {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        if kind != "Instruction" and digits.isdigit():
+            best = max(best, (level, int(digits) * unit))
+    return best[1]
+
+
+@lru_cache(maxsize=1)
+def llc_bytes() -> int:
+    """The last-level cache's size as Linux reports it for CPU 0 (0 where it does not)."""
+    return cache_bytes(Path("/sys/devices/system/cpu/cpu0"))
+
+
+def _median_times(fns: Sequence[Callable[[], object]], reps: int,
+                  before: Callable[[], object] | None = None) -> list[float]:
     """Median seconds per call of each function, their calls interleaved: on a shared machine a burst
     of other work then slows every form alike instead of the one being timed (one form timed after
-    the other could pick the slower one: an LM head's int8 form was seen 2x slower that way)."""
+    the other could pick the slower one: an LM head's int8 form was seen 2x slower that way).
+    ``before`` (untimed) runs before every call, the first untimed ones too."""
     for fn in fns:
-        fn()
-        fn()
+        for _ in range(2):
+            if before is not None:
+                before()
+            fn()
     out: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, times in zip(fns, out):
+            if before is not None:
+                before()
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
@@ -150,9 +179,20 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
     # A model's weights stream from memory at every step; one weight timed again and again would
     # sit in the caches and favour the wrong form. Each call takes the next of enough copies to fill
     # COLD_BYTES, at most 32 (a small weight's 32 copies fill less).
+    # A weight of COLD_BYTES or more (an LM head) is timed alone, one copy; where it fits the
+    # last-level cache, repeated calls would find it there, while a step reads it after every layer
+    # has passed through: each of its calls follows a read of 1.5x the cache (cold_read). On an
+    # Intel Xeon with a 480 MiB L3 the fp32 head of default-e2e timed warm had oneDNN win at one
+    # row; timed cold the panels win there, and full-depth decode steps ran 1.03x faster at one row
+    # and 1.08x at 8 with the head on the panels than on oneDNN
+    # (benchmarks/results/xeon-amx/head-form-ab.json).
     w = torch.randn(out_features, in_features) * 0.02
     nbytes = w.numel() * {"float32": 4, "bfloat16": 2, "int8": 1}[weights]
     copies = max(1, min(32, int(COLD_BYTES // nbytes)))
+    cold_read = None
+    if copies == 1 and 0 < nbytes <= llc_bytes():
+        flush = torch.ones(int(1.5 * llc_bytes()) // 4)
+        cold_read = flush.sum
     hand, lib = forms(weights)
     if weights == "int8":
         q, sc = quantize_int8(w)
@@ -181,12 +221,12 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
             return kernel_module.linear(x, wp, None, out_features, sp)
 
         if library is None:
-            res[hand].append(_median_times([run_hand], n)[0])
+            res[hand].append(_median_times([run_hand], n, cold_read)[0])
             res[lib].append(float("inf"))
         else:
             def run_library(x=x, nxt=iter(range(10 ** 9))):  # its own turn through its copies
                 return run_lib(x, library[next(nxt) % copies])
-            t_hand, t_lib = _median_times([run_hand, run_library], n)
+            t_hand, t_lib = _median_times([run_hand, run_library], n, cold_read)
             res[hand].append(t_hand)
             res[lib].append(t_lib)
     return res
@@ -198,7 +238,7 @@ def _machine_key(kernel_module) -> str:
     src = hashlib.sha1(kernels._SRC.read_bytes()).hexdigest()[:10]
     f = cpu_features()
     return (f"{f['cpu']}|torch {torch.__version__}|kernels {src} {kernels.isa()}|"
-            f"threads {torch.get_num_threads()}")
+            f"threads {torch.get_num_threads()}|timing {TIMING}")
 
 
 def autotune_file() -> Path:
