@@ -307,49 +307,55 @@ SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, in
 // its own block's kernel sums it (its own U sets), so the bits do not change.
 constexpr int q4_sets(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 
+// One row block's running sums over an int4 group: U sets taking alternate k (enough FMA chains in
+// flight at few rows), added in order at the group's end.
+template <int R>
+struct Q4Sums {
+  static constexpr int U = q4_sets(R);
+  __m512 t[U][R];
+  SD_AVX512 void zero() {
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r) t[u][r] = _mm512_setzero_ps();
+  }
+  // t[j % U][r] += x[r, k] * wv, x at the block's first row and k.
+  SD_AVX512 void fma(const float* x, int64_t ldx, int j, __m512 wv) {
+    for (int r = 0; r < R; ++r) t[j % U][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), wv, t[j % U][r]);
+  }
+  // acc[r] += (sum - the row's nibble correction sx[r]) * the group's scales sc (acc[r] = where fresh).
+  SD_AVX512 void finish(const float* sx, int64_t ldsx, __m512 sc, bool fresh, float* acc) {
+    for (int r = 0; r < R; ++r) {
+      for (int u = 1; u < U; ++u) t[0][r] = _mm512_add_ps(t[0][r], t[u][r]);
+      const __m512 base = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
+      const __m512 c = _mm512_set1_ps(sx[r * ldsx]);
+      _mm512_storeu_ps(acc + r * NR, _mm512_fmadd_ps(_mm512_sub_ps(t[0][r], c), sc, base));
+    }
+  }
+};
+
 template <int R, int R2 = 0>
 SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, const float* sx, int64_t ldsx,
                                                  const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
                                                  bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                                  const float* bias, const float* res) {
-  constexpr int U = q4_sets(R), U2 = R2 > 0 ? q4_sets(R2) : 1, RB = R2 > 0 ? R2 : 1;
   for (int64_t g = 0; g < kc; g += G4) {
-    __m512 t[U][R], t2[U2][RB];
-    for (int u = 0; u < U; ++u)
-      for (int r = 0; r < R; ++r) t[u][r] = _mm512_setzero_ps();
-    for (int u = 0; u < U2; ++u)
-      for (int r = 0; r < RB; ++r) t2[u][r] = _mm512_setzero_ps();
+    Q4Sums<R> a;
+    Q4Sums<(R2 > 0 ? R2 : 1)> b;  // the second block's (used only with R2 > 0)
+    a.zero();
+    if constexpr (R2 > 0) b.zero();
     for (int64_t k = g; k < g + G4; k += 8) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
       const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * 8));
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512 wv = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(nibble_mask(j))));
-        const int u = j % U;
-        for (int r = 0; r < R; ++r) t[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + j]), wv, t[u][r]);
-        if constexpr (R2 > 0) {
-          const int u2 = j % U2;
-          for (int r = 0; r < R2; ++r)
-            t2[u2][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[(R + r) * ldx + k + j]), wv, t2[u2][r]);
-        }
+        a.fma(x + k + j, ldx, j, wv);
+        if constexpr (R2 > 0) b.fma(x + R * ldx + k + j, ldx, j, wv);
       }
     }
     const __m512 sc = load_w16(s + (g / G4) * NR);
     const bool fresh = first && g == 0;
-    for (int r = 0; r < R; ++r) {
-      for (int u = 1; u < U; ++u) t[0][r] = _mm512_add_ps(t[0][r], t[u][r]);
-      const __m512 base = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * NR);
-      const __m512 c = _mm512_set1_ps(sx[r * ldsx + g / G4]);
-      _mm512_storeu_ps(acc + r * NR, _mm512_fmadd_ps(_mm512_sub_ps(t[0][r], c), sc, base));
-    }
-    if constexpr (R2 > 0)
-      for (int r = 0; r < R2; ++r) {
-        for (int u = 1; u < U2; ++u) t2[0][r] = _mm512_add_ps(t2[0][r], t2[u][r]);
-        float* a = acc + (R + r) * NR;
-        const __m512 base = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(a);
-        const __m512 c = _mm512_set1_ps(sx[(R + r) * ldsx + g / G4]);
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_sub_ps(t2[0][r], c), sc, base));
-      }
+    a.finish(sx + g / G4, ldsx, sc, fresh, acc);
+    if constexpr (R2 > 0) b.finish(sx + R * ldsx + g / G4, ldsx, sc, fresh, acc + R * NR);
   }
   if (last) store_rows(R + R2, acc, y, ldy, ncols, nullptr, bias, res);
 }
