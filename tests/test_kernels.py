@@ -55,6 +55,19 @@ def test_the_fma_rate_counts_each_forms_lanes_on_every_thread_and_is_a_plausible
         k.fma_flops(0)
 
 
+HAS_AMX_BF16 = HAS_AVX512 and {"amx_tile", "amx_bf16"} <= set(
+    __import__("skipdecode.dispatch").dispatch.cpu_features()["isa"])
+
+
+@pytest.fixture
+def fma_forms(k):
+    """The FMA forms alone: calls of several rows with bf16, int8 or int4 weights stay off the
+    AMX-BF16 tiles (which sum in their own order) for the test."""
+    prev = k.set_amx_bf16(False)
+    yield
+    k.set_amx_bf16(prev)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -323,7 +336,7 @@ def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows
 
 @needs_kernels
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512 F/BW/VL/DQ")
-def test_int4_panels_give_bitwise_identical_outputs_in_the_avx2_and_avx512_forms(k):
+def test_int4_panels_give_bitwise_identical_outputs_in_the_avx2_and_avx512_forms(k, fma_forms):
     """An AVX2-only CPU computes exactly what an AVX-512 one does with int4 weights: the same
     masked-word conversions and FMA chains per column, 1 to 16 rows (the AVX-512 form runs two of
     the AVX2 form's row blocks on one decode from 7 rows), K over several blocks of 256, codes at
@@ -364,7 +377,7 @@ def _panels(dtype: str, n: int, kdim: int, g: torch.Generator):
 @needs_kernels
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512 F/BW/VL/DQ")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
-def test_batched_panels_give_each_row_the_same_bits_whatever_its_batch_mates_and_the_isa(k, dtype):
+def test_batched_panels_give_each_row_the_same_bits_whatever_its_batch_mates_and_the_isa(k, dtype, fma_forms):
     """From 17 rows on every panel dtype runs the wide form (one FMA chain per output over k in
     order): a row's outputs are bitwise the same in a call of 17, 32 or 70 rows, with residual and
     bias, and the same on AVX2 as on AVX-512, so a batch does not change what a request decodes."""
@@ -821,10 +834,83 @@ def test_amx_refused_by_the_os_falls_back_to_vnni_with_a_warning(monkeypatch):
             self.a8.append(form)
 
     monkeypatch.setattr(kernels, "a8_form", lambda: "amx")
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: False)
     module = Module()
     with pytest.warns(UserWarning, match="AMX tile registers.*AVX512-VNNI"):
         assert kernels.configure(module) is module
     assert module.a8 == ["vnni"]
+
+
+def test_amx_bf16_refused_by_the_os_leaves_the_fma_forms_with_a_warning(monkeypatch):
+    """Where Linux refuses the tile registers the fp32-activation linears keep the FMA forms, and
+    the kernels say so instead of failing to load."""
+    class Module:
+        def set_isa(self, avx512):
+            pass
+
+        def set_a8(self, form):
+            pass
+
+        def set_amx_bf16(self, on):
+            raise RuntimeError("skipdecode kernel: the OS did not grant this process the AMX tile registers")
+
+    monkeypatch.setattr(kernels, "a8_form", lambda: "vnni")
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: True)
+    module = Module()
+    with pytest.warns(UserWarning, match="AMX tile registers.*FMA forms"):
+        assert kernels.configure(module) is module
+
+
+def test_amx_bf16_follows_the_cpu_and_the_environment(monkeypatch):
+    """The tiles run where the CPU has AMX-BF16 and the AVX-512 form runs, unless SKIPDECODE_AMX=0."""
+    monkeypatch.delenv("SKIPDECODE_AMX", raising=False)
+    monkeypatch.delenv("SKIPDECODE_ISA", raising=False)
+    assert kernels.amx_bf16() == HAS_AMX_BF16
+    monkeypatch.setenv("SKIPDECODE_AMX", "0")
+    assert kernels.amx_bf16() is False
+    monkeypatch.setenv("SKIPDECODE_AMX", "1")
+    monkeypatch.setenv("SKIPDECODE_ISA", "avx2")
+    assert kernels.amx_bf16() is False
+    monkeypatch.delenv("SKIPDECODE_ISA")
+    monkeypatch.setenv("SKIPDECODE_AMX", "on")
+    with pytest.raises(ValueError, match="SKIPDECODE_AMX must be 0 or 1"):
+        kernels.amx_bf16()
+
+
+@needs_kernels
+@pytest.mark.skipif(not HAS_AMX_BF16, reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_amx_bf16_tiles_equal_the_fp32_product_and_each_row_is_the_same_in_any_batch(k, dtype):
+    """On the tiles (bf16 and int8 weights from 8 rows, int4 from 16) the activations are split
+    into bf16 limbs that lose nothing: outputs are within fp32 rounding of the float64 product, no
+    further from it than the FMA forms' (whose bits they do not share, which shows the tiles ran),
+    with bias, ragged panels (a pair and a single one), K over several 32-k blocks, an outlier
+    column and entries far below the rest; and a row's outputs are bitwise the same in calls of 8
+    to 70 rows (row blocks of different heights, one or two a group), as a batch must leave what a
+    request decodes alone."""
+    g = _gen(41)
+    n, kdim = 40, 576
+    packed, sc = _panels(dtype, n, kdim, g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(70, kdim, generator=g)
+    x[:, 5] *= 40
+    x[3, 100:140] = 1e-3
+    prev = k.set_amx_bf16(False)
+    try:
+        w = k.linear(torch.eye(kdim), packed, None, n, sc).double().t()  # the weights as the panels hold them
+        fma = k.linear(x, packed, b, n, sc)
+    finally:
+        k.set_amx_bf16(prev)
+    ref = x.double() @ w.t() + b.double()
+    rows = (16, 17, 32, 33, 70) if dtype == "int4" else (8, 11, 16, 17, 32, 33, 70)
+    out = {m: k.linear(x[:m], packed, b, n, sc) for m in rows}
+    scale = ref.abs().max()
+    err_amx = ((out[70].double() - ref).abs().max() / scale).item()
+    err_fma = ((fma.double() - ref).abs().max() / scale).item()
+    assert err_amx < 2e-6 and err_amx <= 2 * err_fma, (err_amx, err_fma)
+    assert not torch.equal(out[70], fma)
+    for m, y in out.items():
+        assert torch.equal(y, out[70][:m]), m
 
 
 @needs_kernels

@@ -237,7 +237,8 @@ def _machine_key(kernel_module) -> str:
 
     src = hashlib.sha1(kernels._SRC.read_bytes()).hexdigest()[:10]
     f = cpu_features()
-    return (f"{f['cpu']}|torch {torch.__version__}|kernels {src} {kernels.isa()}|"
+    forms = f"{kernels.isa()} a8 {kernels.a8_form()} amx-bf16 {int(kernels.amx_bf16())}"  # what the hand form runs
+    return (f"{f['cpu']}|torch {torch.__version__}|kernels {src} {forms}|"
             f"threads {torch.get_num_threads()}|timing {TIMING}")
 
 

@@ -64,6 +64,11 @@ def configure(module):
             raise
         warnings.warn(f"skipdecode: {e}; the int8-activation kernels use AVX512-VNNI", stacklevel=2)
         module.set_a8("vnni")
+    if amx_bf16():
+        try:
+            module.set_amx_bf16(True)
+        except RuntimeError as e:  # not granted by the OS: the FMA forms run instead
+            warnings.warn(f"skipdecode: {e}; fp32-activation linears use the FMA forms", stacklevel=2)
     return module
 
 
@@ -138,6 +143,20 @@ def a8_form() -> str:
     if amx not in ("0", "1"):
         raise ValueError(f"SKIPDECODE_AMX must be 0 or 1, got {amx!r}")
     return "amx" if amx == "1" and {"amx_tile", "amx_int8"} <= have else "vnni"
+
+
+def amx_bf16() -> bool:
+    """Whether linears with fp32 activations (``float32``, ``bfloat16``, ``int8``, ``int4``
+    weights) run calls of several rows on the AMX-BF16 tiles: where the CPU has them and the
+    AVX-512 form runs, unless ``SKIPDECODE_AMX=0``. The tiles sum each output in their own order,
+    in bf16 limbs that lose nothing, so outputs agree with the FMA forms to fp32 rounding, not bit
+    for bit."""
+    from .dispatch import cpu_features
+
+    amx = os.environ.get("SKIPDECODE_AMX", "1")
+    if amx not in ("0", "1"):
+        raise ValueError(f"SKIPDECODE_AMX must be 0 or 1, got {amx!r}")
+    return isa() == "avx512" and amx == "1" and {"amx_tile", "amx_bf16"} <= set(cpu_features()["isa"])
 
 
 def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:

@@ -1591,6 +1591,211 @@ bool amx_permitted() {
 #endif
 }
 
+// ---- AMX-BF16 (Intel Sapphire Rapids and later): fp32 activations on the tile unit, for several rows.
+// With fp32 activations a batched step's widened bf16, int8 or int4 weights each take one fp32 FMA
+// per row (16 lanes, two ports); tdpbf16ps multiplies up to 16 rows x 32 k by 32 k x 16 columns of
+// bf16 into fp32 sums (8192 products) per instruction. Nothing is rounded away: an fp32 x is
+// h + m + l exactly (three bf16 limbs, each the top 8 significant bits of what the one before left),
+// a bf16 or int8 weight is one limb, an int4 weight (v times its group's bf16 scale: 12 significant
+// bits) two, and every product of an activation limb i and a weight limb j with i + j <= 2 is summed
+// (three per block for one-limb weights, five for int4); the one left out (l times the int4
+// weight's low limb) is under 2^-24 of its product, below an fp32 FMA's rounding. The tile sums in
+// fp32 in its own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
+// (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the call. A limb
+// below bf16's normal range (an x under about 1e-36) counts as zero, as the tile unit treats
+// subnormals. fp32 weights would take three limbs and six products per block: their batched steps
+// stay on the stream form, which read them as fast in a decode step of default-e2e at 32 rows.
+#define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+bool g_amx_bf16 = false;
+// Rows from which the tiles run, per weight dtype; below them the FMA forms do.
+constexpr int64_t AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 16;
+constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16 columns
+
+// x [M, K] as its three bf16 limbs in A-tile form: per 32-k block b and limb i, the Mp rows' 32 k
+// (rows M .. Mp - 1 zero) at out + ((b * 3 + i) * Mp + m) * AMXB_K, so that a block's tiles are one
+// contiguous run the caches stream in.
+SD_AVX512 void split_rows_bf16(const float* x, int64_t M, int64_t Mp, int64_t K, uint16_t* out) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  std::fill(out, out + 3 * Mp * K, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512 v = _mm512_loadu_ps(x + m * K + k);
+      const int64_t b = k / AMXB_K;
+      for (int i = 0; i < 3; ++i) {
+        const __m512i t = _mm512_and_si512(_mm512_castps_si512(v), top);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((b * 3 + i) * Mp + m) * AMXB_K + k % AMXB_K),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(t, 16)));
+        v = _mm512_sub_ps(v, _mm512_castsi512_ps(t));  // exact: what the limb left out
+      }
+    }
+}
+
+// One 32-k block of one panel ([32, 16] fp32, row k at w + k * NR) as L bf16 limbs in the B tile's
+// layout: tile row t holds k = 2t and 2t + 1 of each column as one dword (low half: k = 2t). Limb j
+// at out + j * 512 (uint16).
+template <int L>
+SD_AVX512 static inline void b_limbs(const float* w, uint16_t* out) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int t = 0; t < 16; ++t) {
+    __m512 a = _mm512_loadu_ps(w + (2 * t) * NR), b = _mm512_loadu_ps(w + (2 * t + 1) * NR);
+    for (int j = 0; j < L; ++j) {
+      const __m512i ha = _mm512_and_si512(_mm512_castps_si512(a), top);
+      const __m512i hb = _mm512_and_si512(_mm512_castps_si512(b), top);
+      _mm512_storeu_si512(out + j * 512 + t * 32, _mm512_or_si512(_mm512_srli_epi32(ha, 16), hb));
+      if (j + 1 < L) {
+        a = _mm512_sub_ps(a, _mm512_castsi512_ps(ha));
+        b = _mm512_sub_ps(b, _mm512_castsi512_ps(hb));
+      }
+    }
+  }
+}
+
+// Tiles: C 0-3 the sums of (panel q, row block rb) at 2 * q + rb; B 4 / 5 one weight limb of panel
+// 0 / 1; A 6 / 7 one activation limb of a row block, alternating. h rows per row block.
+SD_AMXBF16 static void amxb_configure(int64_t h) {
+  AmxConfig c;
+  for (int t : {0, 1, 2, 3, 6, 7}) c.rows[t] = static_cast<uint8_t>(h), c.colsb[t] = 64;
+  for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+  __asm__ volatile("ldtilecfg %0" ::"m"(c));  // see amx_configure
+}
+
+// Tile row t of a B tile from panel rows 2t and 2t + 1 as bf16 (ev: row 2t in words 0-15, row
+// 2t + 1 in words 16-31): each column's pair of words side by side.
+SD_AMXBF16 static inline __m512i pair_words(__m512i ev) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, ev);
+}
+
+// One 32-k block (at k0) of np panels (wstride apart) in B-tile form, L bf16 limbs each: panel q's
+// limb j at out + (q * L + j) * 512. bf16 panels are one limb as they are (two panel rows are one
+// 64-byte line: a permutation makes it a tile row), int8 one limb (q converted exactly); int4
+// (widen_block512: v times its scale) is split in two by b_limbs.
+template <int L, typename W>
+SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, const uint16_t* gs, int64_t gstride,
+                                         int64_t np, int64_t k0, uint16_t* out) {
+  constexpr bool Q4 = std::is_same<W, uint8_t>::value;
+  alignas(64) float wide[AMXB_K * NR];
+  for (int64_t q = 0; q < np; ++q) {
+    uint16_t* o = out + q * L * 512;
+    if constexpr (std::is_same<W, uint16_t>::value) {
+      const uint16_t* p = w + q * wstride + k0 * NR;
+      for (int t = 0; t < 16; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
+        _mm512_storeu_si512(o + t * 32, pair_words(_mm512_loadu_si512(p + t * 32)));
+      }
+    } else if constexpr (std::is_same<W, int8_t>::value) {
+      const int8_t* p = w + q * wstride + k0 * NR;
+      for (int t = 0; t < 16; ++t) {
+        if (t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
+        const __m512 e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * 32))));
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * 32 + 16))));
+        _mm512_storeu_si512(o + t * 32, pair_words((__m512i)_mm512_cvtne2ps_pbh(d, e)));  // exact: |q| < 2^8
+      }
+    } else {
+      static_assert(Q4, "bf16, int8 or int4 panels");
+      widen_block512(w + q * wstride + k0 * (NR / 2), gs + q * gstride + (k0 / G4) * NR, AMXB_K, wide);
+      b_limbs<L>(wide, o);
+    }
+  }
+}
+
+// Rows m0 .. m0 + nrb * h - 1 (nrb 1 or 2 row blocks of h) x np (1 or 2) panels over all of K: the
+// limbs of x in xl (split_rows_bf16, Mp rows a limb), the panels' weights at w (np of them, wstride
+// apart; amxb_block). The sums go to acc [np][nrb * h][NR]. Each block's B tiles are made while the
+// tile unit multiplies the block before (two buffers), and the products of one limb pair go to the
+// four C tiles in turn, so that no product waits on the one before it into the same tile.
+template <int L, typename W>
+SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
+                          int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
+  alignas(64) uint16_t bl[2][2 * L * 512];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t nb = K / AMXB_K;
+  amxb_block<L>(w, wstride, gs, gstride, np, 0, bl[0]);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* B = bl[b & 1];
+    for (int j = 0; j < L; ++j) {
+      _tile_loadd(4, B + j * 512, 64);
+      if (np == 2) _tile_loadd(5, B + (L + j) * 512, 64);
+      for (int i = 0; i + j <= 2; ++i) {
+        const uint16_t* a = xl + ((b * 3 + i) * Mp + m0) * AMXB_K;
+        _tile_loadd(6, a, AMXB_K * 2);
+        if (nrb == 2) _tile_loadd(7, a + h * AMXB_K, AMXB_K * 2);
+        _tile_dpbf16ps(0, 6, 4);
+        if (nrb == 2) _tile_dpbf16ps(1, 7, 4);
+        if (np == 2) _tile_dpbf16ps(2, 6, 5);
+        if (nrb == 2 && np == 2) _tile_dpbf16ps(3, 7, 5);
+      }
+    }
+    if (b + 1 < nb) {
+      amxb_block<L>(w, wstride, gs, gstride, np, (b + 1) * AMXB_K, bl[(b + 1) & 1]);
+      for (int i = 0; i < 3; ++i)  // the next block's activation tiles, toward L1
+        for (int64_t r = 0; r < nrb * h; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(xl + (((b + 1) * 3 + i) * Mp + m0 + r) * AMXB_K), _MM_HINT_T0);
+    }
+  }
+  const int64_t R = nrb * h;
+  for (int64_t q = 0; q < np; ++q) {
+    float* a = acc + q * R * NR;
+    if (q == 0) {
+      _tile_stored(0, a, NR * 4);
+      if (nrb == 2) _tile_stored(1, a + h * NR, NR * 4);
+    } else {
+      _tile_stored(2, a, NR * 4);
+      if (nrb == 2) _tile_stored(3, a + h * NR, NR * 4);
+    }
+  }
+}
+
+// y = x @ W^T (+ bias) (+ res) on the tile unit, any panel dtype (sa: int8 column scales; gs: int4
+// group scales): threads take pairs of panels; rows in groups of up to two row blocks of at most 16
+// (as even as they can be), each group running over all of K with its sums in the tiles.
+template <typename W>
+void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
+                     const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+  constexpr bool Q4 = std::is_same<W, uint8_t>::value;
+  constexpr int L = Q4 ? 2 : 1;
+  const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = (M + nrb - 1) / nrb, Mp = nrb * h;
+  thread_local std::vector<uint16_t> limbs;  // the caller's: the lambda below reads it through xl
+  limbs.resize(3 * Mp * K);
+  const uint16_t* xl = limbs.data();
+  split_rows_bf16(xa, M, Mp, K, limbs.data());
+  const int64_t wstride = Q4 ? K * (NR / 2) : K * NR, gstride = (K / G4) * NR;
+  const int64_t NPP = (NP + 1) / 2;
+  at::parallel_for(0, NPP, 1, [&](int64_t p0, int64_t p1) {
+    amxb_configure(h);
+    std::vector<float> acc(2 * 2 * AMX_ROWS * NR);
+    for (int64_t pp = p0; pp < p1; ++pp) {
+      const int64_t p = 2 * pp, np = std::min<int64_t>(2, NP - p);
+      for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
+      for (int64_t g = 0; g < nrb; g += 2) {
+        const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
+        amxb_rows<L>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, Q4 ? gs + p * gstride : nullptr,
+                     gstride, np, acc.data());
+        for (int64_t q = 0; q < np; ++q)
+          store_rows(rows, acc.data() + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
+                     std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
+                     ba ? ba + (p + q) * NR : nullptr, res ? res + m0 * n + (p + q) * NR : nullptr);
+      }
+    }
+    amx_release();
+  });
+}
+
+// The rows from which linear_into takes the tiles for panels of this dtype (0: never).
+int64_t amx_bf16_min_rows(at::ScalarType dt) {
+  if (!g_amx_bf16 || !g_avx512) return 0;  // the AVX2 form (SKIPDECODE_ISA=avx2) runs what an AVX2 CPU does
+  switch (dt) {
+    case torch::kBFloat16: return AMXB_MIN_BF16;
+    case torch::kChar: return AMXB_MIN_INT8;
+    case torch::kByte: return AMXB_MIN_INT4;
+    default: return 0;  // fp32 panels: see AMXB_MIN_*
+  }
+}
+
 // y = x @ W^T (+ bias) (+ res) over int8 panels (sa: per-column scales) or int4 panels (gs: group
 // scales), the activations quantized to int8 first (QuantX; A16: in two limbs).
 template <bool Q4, bool A16>
@@ -1654,6 +1859,20 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
     return a8 == A_TWO_LIMBS ? linear_into_a8<true>(xa, M, packed, scale, K, NP, ba, n, ya, res, pf)
                              : linear_into_a8<false>(xa, M, packed, scale, K, NP, ba, n, ya, res, pf);
   const auto dt = packed.scalar_type();
+  const int64_t amx = amx_bf16_min_rows(dt);
+  if (amx && M >= amx && K % AMXB_K == 0) {
+    const float* sa = dt == torch::kChar ? scale->data_ptr<float>() : nullptr;
+    switch (dt) {
+      case torch::kByte:
+        return linear_amx_bf16(xa, M, packed.data_ptr<uint8_t>(), K, NP, sa,
+                               reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
+      case torch::kBFloat16:
+        return linear_amx_bf16(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, sa,
+                               nullptr, ba, n, ya, res, pf);
+      default:  // kChar (amx_bf16_min_rows takes no other dtype)
+        return linear_amx_bf16(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+    }
+  }
   if (M >= (dt == torch::kFloat ? WIDE_MIN_F32 : dt == torch::kByte ? WIDE_MIN_INT4 : WIDE_MIN_INT8)) {
     const float* sa = packed.scalar_type() == torch::kChar ? scale->data_ptr<float>() : nullptr;
     switch (packed.scalar_type()) {
@@ -2341,7 +2560,18 @@ std::string set_a8(const std::string& form) {
   return prev;
 }
 
+// Whether fp32-activation linears of several rows run on the AMX-BF16 tiles (linear_amx_bf16; the
+// caller checks the CPU's flags). Returns the previous setting.
+bool set_amx_bf16(bool on) {
+  check(!on || amx_permitted(), "the OS did not grant this process the AMX tile registers");
+  const bool prev = g_amx_bf16;
+  g_amx_bf16 = on;
+  return prev;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_amx_bf16", &set_amx_bf16, "run fp32-activation linears of several rows on AMX-BF16 tiles (true) or not",
+        py::arg("on"));
   m.def("set_a8", &set_a8, "the int8-activation kernels' form: amx, vnni, avx2 or portable", py::arg("form"));
   m.def("set_isa", &set_isa, "use the AVX-512 micro-kernels (true) or the AVX2 ones (false)", py::arg("avx512"));
   m.def("linear", &linear, "small-M linear on a panel-packed weight (int8 and int4 panels with their scales)", py::arg("x"),
