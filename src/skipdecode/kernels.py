@@ -64,7 +64,7 @@ def configure(module):
             raise
         warnings.warn(f"skipdecode: {e}; the int8-activation kernels use AVX512-VNNI", stacklevel=2)
         module.set_a8("vnni")
-    if amx_bf16():
+    if amx_bf16() and hasattr(module, "set_amx_bf16"):  # (a module built from an older source has no tiles)
         try:
             module.set_amx_bf16(True)
         except RuntimeError as e:  # not granted by the OS: the FMA forms run instead
