@@ -442,3 +442,26 @@ def test_a_weight_timed_alone_is_read_cold_where_the_last_level_cache_would_hold
         assert all(callable(b) for b in seen)
     else:
         assert all(b is None for b in seen)  # no cache size known: nothing to read past
+
+
+@needs_kernels
+def test_every_copy_of_a_timed_weight_is_read_once_before_any_call_is_timed(monkeypatch):
+    """The autotuner's copies of a weight are each read once, before the first timed call: the
+    copies packed last would otherwise start in the caches and win the first bucket."""
+    monkeypatch.setattr(dispatch, "COLD_BYTES", 48 * 32 * 4 * 5.0)  # five copies of a 48 x 32 fp32 weight
+    real = kernels.load()
+    calls, timed = [], []
+
+    class Recording:
+        def linear(self, x, wp, bias, n, sp):
+            calls.append(wp.data_ptr())
+            return real.linear(x, wp, bias, n, sp)
+
+    def median_times(fns, n, before=None):
+        timed.append(len(calls))
+        return [1.0 for _ in fns]
+
+    monkeypatch.setattr(dispatch, "_median_times", median_times)
+    dispatch.time_forms(48, 32, Recording(), reps=2)
+    first = calls[: timed[0]]
+    assert len(first) == 5 and len(set(first)) == 5

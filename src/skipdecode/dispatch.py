@@ -48,7 +48,7 @@ PANELS_ONLY = tuple(d for d, lib in LIBRARY.items() if lib == "dense")  # dtypes
 # Not all: some report more (an Intel Xeon in docs/results.md has a 300 MiB L3); there the timings
 # are of weights still in L3, as a small or quantized model's weights may also be when it runs.
 COLD_BYTES = 96e6
-TIMING = 2  # how time_forms measures: part of the cache key, so plans timed another way are timed again
+TIMING = 3  # how time_forms measures: part of the cache key, so plans timed another way are timed again
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
 
@@ -208,6 +208,15 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
         library = [torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32) for _ in range(copies)] if has_lib else None
         run_lib = lambda x, wl: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
             x.to(dt), wl, None, "none", [], "").float()
+    # Every copy read once, the forms' copies in turn, before any call is timed: the copies written
+    # last (the library's, packed after the panels) would otherwise start in the caches and win the
+    # first bucket. On an Intel Xeon the fp32 gate/up weight's panels timed 1.8x slower at one row
+    # than at two that way, oneDNN took the bucket, and the layers of a batch-1 step ran unfused.
+    x1 = torch.randn(1, in_features)
+    for i in range(copies):
+        kernel_module.linear(x1, packed[i][0], None, out_features, packed[i][1])
+        if library is not None:
+            run_lib(x1, library[i])
     res: dict[str, list[float]] = {hand: [], lib: []}
     from tqdm import tqdm
 
