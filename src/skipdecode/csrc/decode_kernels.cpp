@@ -1601,10 +1601,11 @@ bool amx_permitted() {
 // (three per block for one-limb weights, five for int4); the one left out (l times the int4
 // weight's low limb) is under 2^-24 of its product, below an fp32 FMA's rounding. The tile sums in
 // fp32 in its own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
-// (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the call. A limb
-// below bf16's normal range (an x under about 1e-36) counts as zero, as the tile unit treats
-// subnormals. fp32 weights would take three limbs and six products per block: their batched steps
-// stay on the stream form, which read them as fast in a decode step of default-e2e at 32 rows.
+// (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the call. The low
+// limbs of an x under 2^-110 fall below bf16's normal range and count as zero, as the tile unit
+// treats subnormals (an error under 2^-126 times the weight). fp32 weights would take three limbs
+// and six products per block: their batched steps stay on the stream form, which was as fast in
+// decode steps of default-e2e at 32 rows.
 #define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 bool g_amx_bf16 = false;
 // Rows from which the tiles run, per weight dtype; below them the FMA forms do.
@@ -1702,9 +1703,9 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, const uint
 
 // Rows m0 .. m0 + nrb * h - 1 (nrb 1 or 2 row blocks of h) x np (1 or 2) panels over all of K: the
 // limbs of x in xl (split_rows_bf16, Mp rows a limb), the panels' weights at w (np of them, wstride
-// apart; amxb_block). The sums go to acc [np][nrb * h][NR]. Each block's B tiles are made while the
-// tile unit multiplies the block before (two buffers), and the products of one limb pair go to the
-// four C tiles in turn, so that no product waits on the one before it into the same tile.
+// apart; amxb_block). The sums go to acc [np][nrb * h][NR]. The next block's B tiles are made (in the
+// other of two buffers) after the tile products of this one are issued, and its activation tiles
+// asked for toward L1.
 template <int L, typename W>
 SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
                           int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
