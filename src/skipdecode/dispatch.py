@@ -210,8 +210,8 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
             x.to(dt), wl, None, "none", [], "").float()
     # Every copy read once, the forms' copies in turn, before any call is timed: the copies written
     # last (the library's, packed after the panels) would otherwise start in the caches and win the
-    # first bucket. On an Intel Xeon the fp32 gate/up weight's panels timed 1.8x slower at one row
-    # than at two that way, oneDNN took the bucket, and the layers of a batch-1 step ran unfused.
+    # first bucket. On an Intel Xeon the fp32 gate/up weight's panels timed slower at one row than
+    # at two that way, oneDNN took the bucket, and the layers of a batch-1 step ran unfused.
     x1 = torch.randn(1, in_features)
     for i in range(copies):
         kernel_module.linear(x1, packed[i][0], None, out_features, packed[i][1])
