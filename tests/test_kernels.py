@@ -888,6 +888,10 @@ def test_amx_bf16_tiles_equal_the_fp32_product_and_each_row_is_the_same_in_any_b
     column and entries far below the rest; and a row's outputs are bitwise the same in calls of 8
     to 70 rows (row blocks of different heights, one or two a group), as a batch must leave what a
     request decodes alone."""
+    on = k.set_amx_bf16(False)
+    k.set_amx_bf16(on)
+    if not on:
+        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
     g = _gen(41)
     n, kdim = 40, 576
     packed, sc = _panels(dtype, n, kdim, g)
