@@ -1617,7 +1617,8 @@ constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16
 // contiguous run the caches stream in.
 SD_AVX512 void split_rows_bf16(const float* x, int64_t M, int64_t Mp, int64_t K, uint16_t* out) {
   const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  std::fill(out, out + 3 * Mp * K, 0);
+  for (int64_t b = 0; b < K / AMXB_K; ++b)  // the padding rows only: every other word is written below
+    for (int i = 0; i < 3; ++i) std::fill(out + ((b * 3 + i) * Mp + M) * AMXB_K, out + ((b * 3 + i) + 1) * Mp * AMXB_K, 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 16) {
       __m512 v = _mm512_loadu_ps(x + m * K + k);
@@ -1768,16 +1769,16 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
   const int64_t NPP = (NP + 1) / 2;
   at::parallel_for(0, NPP, 1, [&](int64_t p0, int64_t p1) {
     amxb_configure(h);
-    std::vector<float> acc(2 * 2 * AMX_ROWS * NR);
+    alignas(64) float acc[2 * 2 * AMX_ROWS * NR];  // two panels x two row blocks, as linear_panels_amx keeps its sums
     for (int64_t pp = p0; pp < p1; ++pp) {
       const int64_t p = 2 * pp, np = std::min<int64_t>(2, NP - p);
       for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
       for (int64_t g = 0; g < nrb; g += 2) {
         const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
         amxb_rows<L>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, Q4 ? gs + p * gstride : nullptr,
-                     gstride, np, acc.data());
+                     gstride, np, acc);
         for (int64_t q = 0; q < np; ++q)
-          store_rows(rows, acc.data() + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
+          store_rows(rows, acc + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
                      std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
                      ba ? ba + (p + q) * NR : nullptr, res ? res + m0 * n + (p + q) * NR : nullptr);
       }
