@@ -1596,11 +1596,10 @@ bool amx_permitted() {
 // per row (16 lanes, two ports); tdpbf16ps multiplies up to 16 rows x 32 k by 32 k x 16 columns of
 // bf16 into fp32 sums (8192 products) per instruction. Nothing is rounded away: an fp32 x is
 // h + m + l exactly (three bf16 limbs, each the top 8 significant bits of what the one before left),
-// a bf16 or int8 weight is one limb, an int4 weight (v times its group's bf16 scale: 12 significant
-// bits) two, and every product of an activation limb i and a weight limb j with i + j <= 2 is summed
-// (three per block for one-limb weights, five for int4); the one left out (l times the int4
-// weight's low limb) is under 2^-24 of its product, below an fp32 FMA's rounding. The tile sums in
-// fp32 in its own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
+// a bf16 or int8 weight is one limb, and so is an int4 weight's code v (-8..7): its group's scale
+// multiplies the block's tile sums instead (a group is one 32-k block), in fp32, into the sums kept
+// in memory. Three tdpbf16ps per block and panel; every product is exact and summed in fp32 in the
+// tile's own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
 // (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the call. The low
 // limbs of an x under 2^-110 fall below bf16's normal range and count as zero, as the tile unit
 // treats subnormals (an error under 2^-126 times the weight). fp32 weights would take three limbs
@@ -1609,7 +1608,7 @@ bool amx_permitted() {
 #define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 bool g_amx_bf16 = false;
 // Rows from which the tiles run, per weight dtype; below them the FMA forms do.
-constexpr int64_t AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 16;
+constexpr int64_t AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 8;
 constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16 columns
 
 // x [M, K] as its three bf16 limbs in A-tile form: per 32-k block b and limb i, the Mp rows' 32 k
@@ -1632,26 +1631,6 @@ SD_AVX512 void split_rows_bf16(const float* x, int64_t M, int64_t Mp, int64_t K,
     }
 }
 
-// One 32-k block of one panel ([32, 16] fp32, row k at w + k * NR) as L bf16 limbs in the B tile's
-// layout: tile row t holds k = 2t and 2t + 1 of each column as one dword (low half: k = 2t). Limb j
-// at out + j * 512 (uint16).
-template <int L>
-SD_AVX512 static inline void b_limbs(const float* w, uint16_t* out) {
-  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int t = 0; t < 16; ++t) {
-    __m512 a = _mm512_loadu_ps(w + (2 * t) * NR), b = _mm512_loadu_ps(w + (2 * t + 1) * NR);
-    for (int j = 0; j < L; ++j) {
-      const __m512i ha = _mm512_and_si512(_mm512_castps_si512(a), top);
-      const __m512i hb = _mm512_and_si512(_mm512_castps_si512(b), top);
-      _mm512_storeu_si512(out + j * 512 + t * 32, _mm512_or_si512(_mm512_srli_epi32(ha, 16), hb));
-      if (j + 1 < L) {
-        a = _mm512_sub_ps(a, _mm512_castsi512_ps(ha));
-        b = _mm512_sub_ps(b, _mm512_castsi512_ps(hb));
-      }
-    }
-  }
-}
-
 // Tiles: C 0-3 the sums of (panel q, row block rb) at 2 * q + rb; B 4 / 5 one weight limb of panel
 // 0 / 1; A 6 / 7 one activation limb of a row block, alternating. h rows per row block.
 SD_AMXBF16 static void amxb_configure(int64_t h) {
@@ -1669,17 +1648,24 @@ SD_AMXBF16 static inline __m512i pair_words(__m512i ev) {
   return _mm512_permutexvar_epi16(idx, ev);
 }
 
-// One 32-k block (at k0) of np panels (wstride apart) in B-tile form, L bf16 limbs each: panel q's
-// limb j at out + (q * L + j) * 512. bf16 panels are one limb as they are (two panel rows are one
-// 64-byte line: a permutation makes it a tile row), int8 one limb (q converted exactly); int4
-// (widen_block512: v times its scale) is split in two by b_limbs.
-template <int L, typename W>
-SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, const uint16_t* gs, int64_t gstride,
-                                         int64_t np, int64_t k0, uint16_t* out) {
-  constexpr bool Q4 = std::is_same<W, uint8_t>::value;
-  alignas(64) float wide[AMXB_K * NR];
+// Tile row t of a B tile from two int8 panel rows (e: row 2t, d: row 2t + 1) widened to fp32: each
+// value is exact in bf16, i.e. its fp32's top half, so a shift and a blend pair them per column.
+SD_AMXBF16 static inline __m512i pair_int8(__m512 e, __m512 d) {
+  return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0xFFFF), _mm512_srli_epi32(_mm512_castps_si512(e), 16),
+                                   _mm512_castps_si512(d), 0xCA);  // low word from e, high word from d
+}
+
+// One 32-k block (at k0) of np panels (wstride apart) in B-tile form, one bf16 limb each: panel q's
+// at out + q * 512. bf16 panels as they are (two panel rows are one 64-byte line: a permutation
+// makes it a tile row), int8 converted exactly, int4 as its codes v (the scale stays out: see
+// amxb_rows): a 64-byte line holds 8 k of the 16 columns, nibble j of a column's dword k0 + j
+// (j < 7: v + 8; j = 7: v in two's complement, flipped to v + 8 by xor-ing its top bit), so tile
+// row 4g + j takes byte j of each dword, its low nibble to the low word; vpermw looks each nibble
+// up in a table of the bf16 of v (it reads 5 bits of a word: the table is the 16 values twice).
+template <typename W>
+SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np, int64_t k0, uint16_t* out) {
   for (int64_t q = 0; q < np; ++q) {
-    uint16_t* o = out + q * L * 512;
+    uint16_t* o = out + q * 512;
     if constexpr (std::is_same<W, uint16_t>::value) {
       const uint16_t* p = w + q * wstride + k0 * NR;
       for (int t = 0; t < 16; ++t) {
@@ -1692,12 +1678,28 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, const uint
         if (t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
         const __m512 e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * 32))));
         const __m512 d = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * 32 + 16))));
-        _mm512_storeu_si512(o + t * 32, pair_words((__m512i)_mm512_cvtne2ps_pbh(d, e)));  // exact: |q| < 2^8
+        _mm512_storeu_si512(o + t * 32, pair_int8(e, d));
       }
     } else {
-      static_assert(Q4, "bf16, int8 or int4 panels");
-      widen_block512(w + q * wstride + k0 * (NR / 2), gs + q * gstride + (k0 / G4) * NR, AMXB_K, wide);
-      b_limbs<L>(wide, o);
+      static_assert(std::is_same<W, uint8_t>::value, "bf16, int8 or int4 panels");
+      alignas(64) static const uint16_t codes[32] = {  // bf16 of -8 .. 7, twice
+          0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000,
+          0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
+          0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+      const __m512i table = _mm512_load_si512(codes), top = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)),
+                    low = _mm512_set1_epi32(0xFFFF);
+      const uint8_t* p = w + q * wstride + k0 * (NR / 2);
+      for (int g = 0; g < 4; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + g * 64) + PF_BYTES, _MM_HINT_T0);
+        const __m512i d = _mm512_xor_si512(_mm512_loadu_si512(p + g * 64), top);
+        // byte j of each dword: its low nibble at bit 0 (lo), its high nibble at bit 16 (hi)
+        const __m512i lo[4] = {d, _mm512_srli_epi32(d, 8), _mm512_srli_epi32(d, 16), _mm512_srli_epi32(d, 24)};
+        const __m512i hi[4] = {_mm512_slli_epi32(d, 12), _mm512_slli_epi32(d, 4), _mm512_srli_epi32(d, 4),
+                               _mm512_srli_epi32(d, 12)};
+        for (int j = 0; j < 4; ++j)
+          _mm512_storeu_si512(o + (4 * g + j) * 32,
+                              _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(low, lo[j], hi[j], 0xCA), table));
+      }
     }
   }
 }
@@ -1705,50 +1707,60 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, const uint
 // Rows m0 .. m0 + nrb * h - 1 (nrb 1 or 2 row blocks of h) x np (1 or 2) panels over all of K: the
 // limbs of x in xl (split_rows_bf16, Mp rows a limb), the panels' weights at w (np of them, wstride
 // apart; amxb_block). The sums go to acc [np][nrb * h][NR]. The next block's B tiles are made (in the
-// other of two buffers) after the tile products of this one are issued, and its activation tiles
-// asked for toward L1.
-template <int L, typename W>
+// other of two buffers) after the tile products of this one are issued. bf16 and int8 panels keep
+// their sums in the tiles over all of K; int4 panels (gs: group scales) sum one block in the tiles,
+// which go through tmp to acc times the block's scales (an fp32 FMA per row and panel).
+template <typename W>
 SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
                           int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
-  alignas(64) uint16_t bl[2][2 * L * 512];
+  constexpr bool Q4 = std::is_same<W, uint8_t>::value;
+  alignas(64) uint16_t bl[2][2 * 512];
+  alignas(64) float tmp[4 * AMX_ROWS * NR];
+  const int64_t R = nrb * h, nb = K / AMXB_K;
+  if constexpr (Q4)
+    for (int64_t i = 0; i < np * R; ++i) _mm512_storeu_ps(acc + i * NR, _mm512_setzero_ps());
+  float* const sums = Q4 ? tmp : acc;  // where the tiles are stored: [np][R][NR]
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t nb = K / AMXB_K;
-  amxb_block<L>(w, wstride, gs, gstride, np, 0, bl[0]);
+  amxb_block(w, wstride, np, 0, bl[0]);
   for (int64_t b = 0; b < nb; ++b) {
     const uint16_t* B = bl[b & 1];
-    for (int j = 0; j < L; ++j) {
-      _tile_loadd(4, B + j * 512, 64);
-      if (np == 2) _tile_loadd(5, B + (L + j) * 512, 64);
-      for (int i = 0; i + j <= 2; ++i) {
-        const uint16_t* a = xl + ((b * 3 + i) * Mp + m0) * AMXB_K;
-        _tile_loadd(6, a, AMXB_K * 2);
-        if (nrb == 2) _tile_loadd(7, a + h * AMXB_K, AMXB_K * 2);
-        _tile_dpbf16ps(0, 6, 4);
-        if (nrb == 2) _tile_dpbf16ps(1, 7, 4);
-        if (np == 2) _tile_dpbf16ps(2, 6, 5);
-        if (nrb == 2 && np == 2) _tile_dpbf16ps(3, 7, 5);
+    if (Q4 && b > 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    _tile_loadd(4, B, 64);
+    if (np == 2) _tile_loadd(5, B + 512, 64);
+    for (int i = 0; i <= 2; ++i) {
+      const uint16_t* a = xl + ((b * 3 + i) * Mp + m0) * AMXB_K;
+      _tile_loadd(6, a, AMXB_K * 2);
+      if (nrb == 2) _tile_loadd(7, a + h * AMXB_K, AMXB_K * 2);
+      _tile_dpbf16ps(0, 6, 4);
+      if (nrb == 2) _tile_dpbf16ps(1, 7, 4);
+      if (np == 2) _tile_dpbf16ps(2, 6, 5);
+      if (nrb == 2 && np == 2) _tile_dpbf16ps(3, 7, 5);
+    }
+    if (b + 1 < nb) amxb_block(w, wstride, np, (b + 1) * AMXB_K, bl[(b + 1) & 1]);
+    if (Q4 || b + 1 == nb) {
+      _tile_stored(0, sums, NR * 4);
+      if (nrb == 2) _tile_stored(1, sums + h * NR, NR * 4);
+      if (np == 2) {
+        _tile_stored(2, sums + R * NR, NR * 4);
+        if (nrb == 2) _tile_stored(3, sums + (R + h) * NR, NR * 4);
       }
     }
-    if (b + 1 < nb) {
-      amxb_block<L>(w, wstride, gs, gstride, np, (b + 1) * AMXB_K, bl[(b + 1) & 1]);
-      for (int i = 0; i < 3; ++i)  // the next block's activation tiles, toward L1
-        for (int64_t r = 0; r < nrb * h; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(xl + (((b + 1) * 3 + i) * Mp + m0 + r) * AMXB_K), _MM_HINT_T0);
-    }
-  }
-  const int64_t R = nrb * h;
-  for (int64_t q = 0; q < np; ++q) {
-    float* a = acc + q * R * NR;
-    if (q == 0) {
-      _tile_stored(0, a, NR * 4);
-      if (nrb == 2) _tile_stored(1, a + h * NR, NR * 4);
-    } else {
-      _tile_stored(2, a, NR * 4);
-      if (nrb == 2) _tile_stored(3, a + h * NR, NR * 4);
-    }
+    if constexpr (Q4)
+      for (int64_t q = 0; q < np; ++q) {
+        const __m512 sc = load_w16(gs + q * gstride + b * NR);
+        for (int64_t r = 0; r < R; ++r) {
+          float* a = acc + (q * R + r) * NR;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_load_ps(tmp + (q * R + r) * NR), sc, _mm512_loadu_ps(a)));
+        }
+      }
   }
 }
 
@@ -1759,7 +1771,6 @@ template <typename W>
 void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
                      const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
-  constexpr int L = Q4 ? 2 : 1;
   const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = (M + nrb - 1) / nrb, Mp = nrb * h;
   thread_local std::vector<uint16_t> limbs;  // the caller's: the lambda below reads it through xl
   limbs.resize(3 * Mp * K);
@@ -1775,8 +1786,8 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
       for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
       for (int64_t g = 0; g < nrb; g += 2) {
         const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
-        amxb_rows<L>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, Q4 ? gs + p * gstride : nullptr,
-                     gstride, np, acc);
+        amxb_rows(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, Q4 ? gs + p * gstride : nullptr, gstride,
+                  np, acc);
         for (int64_t q = 0; q < np; ++q)
           store_rows(rows, acc + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
                      std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
