@@ -1613,20 +1613,24 @@ constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16
 
 // x [M, K] as its three bf16 limbs in A-tile form: per 32-k block b and limb i, the Mp rows' 32 k
 // (rows M .. Mp - 1 zero) at out + ((b * 3 + i) * Mp + m) * AMXB_K, so that a block's tiles are one
-// contiguous run the caches stream in.
+// contiguous run the caches stream in. A limb's 32 words are the top halves of 32 fp32 values: one
+// two-source permutation picks them.
 SD_AVX512 void split_rows_bf16(const float* x, int64_t M, int64_t Mp, int64_t K, uint16_t* out) {
   const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t b = 0; b < K / AMXB_K; ++b)  // the padding rows only: every other word is written below
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
+                                       21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t b = 0; b < K / AMXB_K; ++b)  // the padding rows
     for (int i = 0; i < 3; ++i) std::fill(out + ((b * 3 + i) * Mp + M) * AMXB_K, out + ((b * 3 + i) + 1) * Mp * AMXB_K, 0);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; k += 16) {
-      __m512 v = _mm512_loadu_ps(x + m * K + k);
-      const int64_t b = k / AMXB_K;
+    for (int64_t b = 0; b < K / AMXB_K; ++b) {
+      __m512 v0 = _mm512_loadu_ps(x + m * K + b * AMXB_K), v1 = _mm512_loadu_ps(x + m * K + b * AMXB_K + 16);
       for (int i = 0; i < 3; ++i) {
-        const __m512i t = _mm512_and_si512(_mm512_castps_si512(v), top);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((b * 3 + i) * Mp + m) * AMXB_K + k % AMXB_K),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(t, 16)));
-        v = _mm512_sub_ps(v, _mm512_castsi512_ps(t));  // exact: what the limb left out
+        _mm512_storeu_si512(out + ((b * 3 + i) * Mp + m) * AMXB_K,
+                            _mm512_permutex2var_epi16(_mm512_castps_si512(v0), odd, _mm512_castps_si512(v1)));
+        if (i < 2) {  // exact: what the limb left out
+          v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), top)));
+          v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), top)));
+        }
       }
     }
 }
@@ -1772,13 +1776,15 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
                      const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
   const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = (M + nrb - 1) / nrb, Mp = nrb * h;
-  thread_local std::vector<uint16_t> limbs;  // the caller's: the lambda below reads it through xl
-  limbs.resize(3 * Mp * K);
-  const uint16_t* xl = limbs.data();
-  split_rows_bf16(xa, M, Mp, K, limbs.data());
   const int64_t wstride = Q4 ? K * (NR / 2) : K * NR, gstride = (K / G4) * NR;
   const int64_t NPP = (NP + 1) / 2;
   at::parallel_for(0, NPP, 1, [&](int64_t p0, int64_t p1) {
+    // Each thread splits x into limbs of its own: written where it reads them, where one copy made
+    // before the threads start kept the others waiting and went to their caches line by line.
+    thread_local std::vector<uint16_t> limbs;
+    limbs.resize(3 * Mp * K);
+    const uint16_t* xl = limbs.data();
+    split_rows_bf16(xa, M, Mp, K, limbs.data());
     amxb_configure(h);
     alignas(64) float acc[2 * 2 * AMX_ROWS * NR];  // two panels x two row blocks, as linear_panels_amx keeps its sums
     for (int64_t pp = p0; pp < p1; ++pp) {
