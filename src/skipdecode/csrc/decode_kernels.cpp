@@ -1592,23 +1592,25 @@ bool amx_permitted() {
 }
 
 // ---- AMX-BF16 (Intel Sapphire Rapids and later): fp32 activations on the tile unit, for several rows.
-// With fp32 activations a batched step's widened bf16, int8 or int4 weights each take one fp32 FMA
-// per row (16 lanes, two ports); tdpbf16ps multiplies up to 16 rows x 32 k by 32 k x 16 columns of
-// bf16 into fp32 sums (8192 products) per instruction. Nothing is rounded away: an fp32 x is
-// h + m + l exactly (three bf16 limbs, each the top 8 significant bits of what the one before left),
-// a bf16 or int8 weight is one limb, and so is an int4 weight's code v (-8..7): its group's scale
+// With fp32 activations a batched step's weights (fp32 or widened) each take one fp32 FMA per row
+// (16 lanes, two ports); tdpbf16ps multiplies up to 16 rows x 32 k by 32 k x 16 columns of bf16
+// into fp32 sums (8192 products) per instruction. Nothing is rounded away: an fp32 x is h + m + l
+// exactly (three bf16 limbs, each the top 8 significant bits of what the one before left), a bf16
+// or int8 weight is one limb, and so is an int4 weight's code v (-8..7): its group's scale
 // multiplies the block's tile sums instead (a group is one 32-k block), in fp32, into the sums kept
-// in memory. Three tdpbf16ps per block and panel; every product is exact and summed in fp32 in the
+// in memory. Three tdpbf16ps per block and panel. An fp32 weight is three limbs too, and the six
+// products whose limb orders add to at most 2 are summed (the three left out are each under 2^-24
+// of their product, the size of an FMA's rounding). Every product summed is exact, in fp32 in the
 // tile's own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
 // (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the call. The low
 // limbs of an x under 2^-110 fall below bf16's normal range and count as zero, as the tile unit
-// treats subnormals (an error under 2^-126 times the weight). fp32 weights would take three limbs
-// and six products per block: their batched steps stay on the stream form, which was as fast in
-// decode steps of default-e2e at 32 rows.
+// treats subnormals (an error under 2^-126 times the weight). fp32 weights take the tiles from 24
+// rows, where they were faster than the stream form (even at 16, slower at 8: making three weight
+// limbs costs more than the FMA forms spend).
 #define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 bool g_amx_bf16 = false;
 // Rows from which the tiles run, per weight dtype; below them the FMA forms do.
-constexpr int64_t AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 8;
+constexpr int64_t AMXB_MIN_F32 = 24, AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 8;
 constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16 columns
 
 // x [M, K] as its three bf16 limbs in A-tile form: per 32-k block b and limb i, the Mp rows' 32 k
@@ -1659,18 +1661,37 @@ SD_AMXBF16 static inline __m512i pair_int8(__m512 e, __m512 d) {
                                    _mm512_castps_si512(d), 0xCA);  // low word from e, high word from d
 }
 
-// One 32-k block (at k0) of np panels (wstride apart) in B-tile form, one bf16 limb each: panel q's
-// at out + q * 512. bf16 panels as they are (two panel rows are one 64-byte line: a permutation
+// One 32-k block (at k0) of np panels (wstride apart) in B-tile form, amxb_limbs bf16 limbs each:
+// panel q's limb j at out + (q * L + j) * 512. fp32 panels in three (each the top half of what the
+// one before left, paired as int8's are), bf16 panels as they are (two panel rows are one 64-byte line: a permutation
 // makes it a tile row), int8 converted exactly, int4 as its codes v (the scale stays out: see
-// amxb_rows): a 64-byte line holds 8 k of the 16 columns, nibble j of a column's dword k0 + j
+// amxb_rows): a 64-byte line holds 8 k of the 16 columns, a dword each, k0 + j in nibble j
 // (j < 7: v + 8; j = 7: v in two's complement, flipped to v + 8 by xor-ing its top bit), so tile
 // row 4g + j takes byte j of each dword, its low nibble to the low word; vpermw looks each nibble
 // up in a table of the bf16 of v (it reads 5 bits of a word: the table is the 16 values twice).
 template <typename W>
+constexpr int amxb_limbs = std::is_same<W, float>::value ? 3 : 1;
+
+template <typename W>
 SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np, int64_t k0, uint16_t* out) {
   for (int64_t q = 0; q < np; ++q) {
-    uint16_t* o = out + q * 512;
-    if constexpr (std::is_same<W, uint16_t>::value) {
+    uint16_t* o = out + q * amxb_limbs<W> * 512;
+    if constexpr (std::is_same<W, float>::value) {
+      const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      const float* p = w + q * wstride + k0 * NR;
+      for (int t = 0; t < 16; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + t * 32 + 16) + PF_BYTES, _MM_HINT_T0);
+        __m512 e = _mm512_loadu_ps(p + t * 32), d = _mm512_loadu_ps(p + t * 32 + 16);
+        for (int j = 0; j < 3; ++j) {
+          _mm512_storeu_si512(o + j * 512 + t * 32, pair_int8(e, d));
+          if (j < 2) {  // exact: what the limb left out
+            e = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e), top)));
+            d = _mm512_sub_ps(d, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(d), top)));
+          }
+        }
+      }
+    } else if constexpr (std::is_same<W, uint16_t>::value) {
       const uint16_t* p = w + q * wstride + k0 * NR;
       for (int t = 0; t < 16; ++t) {
         _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
@@ -1711,14 +1732,16 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
 // Rows m0 .. m0 + nrb * h - 1 (nrb 1 or 2 row blocks of h) x np (1 or 2) panels over all of K: the
 // limbs of x in xl (split_rows_bf16, Mp rows a limb), the panels' weights at w (np of them, wstride
 // apart; amxb_block). The sums go to acc [np][nrb * h][NR]. The next block's B tiles are made (in the
-// other of two buffers) after the tile products of this one are issued. bf16 and int8 panels keep
+// other of two buffers) after the tile products of this one are issued: activation limb i times
+// weight limb j for i + j <= 2. bf16 and int8 panels keep
 // their sums in the tiles over all of K; int4 panels (gs: group scales) sum one block in the tiles,
 // which go through tmp to acc times the block's scales (an fp32 FMA per row and panel).
 template <typename W>
 SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
                           int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
-  alignas(64) uint16_t bl[2][2 * 512];
+  constexpr int L = amxb_limbs<W>;
+  alignas(64) uint16_t bl[2][2 * L * 512];
   alignas(64) float tmp[4 * AMX_ROWS * NR];
   const int64_t R = nrb * h, nb = K / AMXB_K;
   if constexpr (Q4)
@@ -1737,16 +1760,18 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
       _tile_zero(2);
       _tile_zero(3);
     }
-    _tile_loadd(4, B, 64);
-    if (np == 2) _tile_loadd(5, B + 512, 64);
-    for (int i = 0; i <= 2; ++i) {
-      const uint16_t* a = xl + ((b * 3 + i) * Mp + m0) * AMXB_K;
-      _tile_loadd(6, a, AMXB_K * 2);
-      if (nrb == 2) _tile_loadd(7, a + h * AMXB_K, AMXB_K * 2);
-      _tile_dpbf16ps(0, 6, 4);
-      if (nrb == 2) _tile_dpbf16ps(1, 7, 4);
-      if (np == 2) _tile_dpbf16ps(2, 6, 5);
-      if (nrb == 2 && np == 2) _tile_dpbf16ps(3, 7, 5);
+    for (int j = 0; j < L; ++j) {
+      _tile_loadd(4, B + j * 512, 64);
+      if (np == 2) _tile_loadd(5, B + (L + j) * 512, 64);
+      for (int i = 0; i + j <= 2; ++i) {
+        const uint16_t* a = xl + ((b * 3 + i) * Mp + m0) * AMXB_K;
+        _tile_loadd(6, a, AMXB_K * 2);
+        if (nrb == 2) _tile_loadd(7, a + h * AMXB_K, AMXB_K * 2);
+        _tile_dpbf16ps(0, 6, 4);
+        if (nrb == 2) _tile_dpbf16ps(1, 7, 4);
+        if (np == 2) _tile_dpbf16ps(2, 6, 5);
+        if (nrb == 2 && np == 2) _tile_dpbf16ps(3, 7, 5);
+      }
     }
     if (b + 1 < nb) amxb_block(w, wstride, np, (b + 1) * AMXB_K, bl[(b + 1) & 1]);
     if (Q4 || b + 1 == nb) {
@@ -1811,7 +1836,8 @@ int64_t amx_bf16_min_rows(at::ScalarType dt) {
     case torch::kBFloat16: return AMXB_MIN_BF16;
     case torch::kChar: return AMXB_MIN_INT8;
     case torch::kByte: return AMXB_MIN_INT4;
-    default: return 0;  // fp32 panels: see AMXB_MIN_*
+    case torch::kFloat: return AMXB_MIN_F32;
+    default: return 0;
   }
 }
 
@@ -1888,6 +1914,8 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
       case torch::kBFloat16:
         return linear_amx_bf16(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, sa,
                                nullptr, ba, n, ya, res, pf);
+      case torch::kFloat:
+        return linear_amx_bf16(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
       default:  // kChar (amx_bf16_min_rows takes no other dtype)
         return linear_amx_bf16(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
     }
