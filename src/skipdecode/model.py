@@ -80,10 +80,10 @@ class PackedLinear(nn.Module):
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
     RoPE and attention keep their fp32 kernels and the KV pool stays fp32.
-    On CPUs with AMX-BF16 the compiled panels run ``bfloat16`` and ``int8``
-    calls of 8 rows or more, and ``int4`` of 16 or more, on the tile unit, the
-    activations split into bf16 limbs that sum to them exactly: fp32 products
-    summed in the tile's order (``kernels.amx_bf16``).
+    On CPUs with AMX-BF16 the compiled panels run ``bfloat16``, ``int8`` and
+    ``int4`` calls of 8 rows or more, and ``float32`` of 24 or more, on the tile
+    unit, the activations split into bf16 limbs that sum to them exactly: fp32
+    products summed in the tile's order (``kernels.amx_bf16``).
 
     The dense weight is dropped after packing, so memory does not double.
     """

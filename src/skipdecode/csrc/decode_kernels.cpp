@@ -1654,16 +1654,17 @@ SD_AMXBF16 static inline __m512i pair_words(__m512i ev) {
   return _mm512_permutexvar_epi16(idx, ev);
 }
 
-// Tile row t of a B tile from two int8 panel rows (e: row 2t, d: row 2t + 1) widened to fp32: each
-// value is exact in bf16, i.e. its fp32's top half, so a shift and a blend pair them per column.
-SD_AMXBF16 static inline __m512i pair_int8(__m512 e, __m512 d) {
+// Tile row t of a B tile from two panel rows (e: row 2t, d: row 2t + 1) in fp32 whose values are
+// exact in bf16 (widened int8, or one limb of fp32), i.e. their top halves: a shift and a blend
+// pair them per column.
+SD_AMXBF16 static inline __m512i pair_tops(__m512 e, __m512 d) {
   return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0xFFFF), _mm512_srli_epi32(_mm512_castps_si512(e), 16),
                                    _mm512_castps_si512(d), 0xCA);  // low word from e, high word from d
 }
 
 // One 32-k block (at k0) of np panels (wstride apart) in B-tile form, amxb_limbs bf16 limbs each:
 // panel q's limb j at out + (q * L + j) * 512. fp32 panels in three (each the top half of what the
-// one before left, paired as int8's are), bf16 panels as they are (two panel rows are one 64-byte line: a permutation
+// one before left), bf16 panels as they are (two panel rows are one 64-byte line: a permutation
 // makes it a tile row), int8 converted exactly, int4 as its codes v (the scale stays out: see
 // amxb_rows): a 64-byte line holds 8 k of the 16 columns, a dword each, k0 + j in nibble j
 // (j < 7: v + 8; j = 7: v in two's complement, flipped to v + 8 by xor-ing its top bit), so tile
@@ -1684,7 +1685,7 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
         _mm_prefetch(reinterpret_cast<const char*>(p + t * 32 + 16) + PF_BYTES, _MM_HINT_T0);
         __m512 e = _mm512_loadu_ps(p + t * 32), d = _mm512_loadu_ps(p + t * 32 + 16);
         for (int j = 0; j < 3; ++j) {
-          _mm512_storeu_si512(o + j * 512 + t * 32, pair_int8(e, d));
+          _mm512_storeu_si512(o + j * 512 + t * 32, pair_tops(e, d));
           if (j < 2) {  // exact: what the limb left out
             e = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e), top)));
             d = _mm512_sub_ps(d, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(d), top)));
@@ -1703,7 +1704,7 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
         if (t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
         const __m512 e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * 32))));
         const __m512 d = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + t * 32 + 16))));
-        _mm512_storeu_si512(o + t * 32, pair_int8(e, d));
+        _mm512_storeu_si512(o + t * 32, pair_tops(e, d));
       }
     } else {
       static_assert(std::is_same<W, uint8_t>::value, "bf16, int8 or int4 panels");
@@ -1731,11 +1732,11 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
 
 // Rows m0 .. m0 + nrb * h - 1 (nrb 1 or 2 row blocks of h) x np (1 or 2) panels over all of K: the
 // limbs of x in xl (split_rows_bf16, Mp rows a limb), the panels' weights at w (np of them, wstride
-// apart; amxb_block). The sums go to acc [np][nrb * h][NR]. The next block's B tiles are made (in the
-// other of two buffers) after the tile products of this one are issued: activation limb i times
-// weight limb j for i + j <= 2. bf16 and int8 panels keep
-// their sums in the tiles over all of K; int4 panels (gs: group scales) sum one block in the tiles,
-// which go through tmp to acc times the block's scales (an fp32 FMA per row and panel).
+// apart; amxb_block). The sums go to acc [np][nrb * h][NR]. Activation limb i times weight limb j
+// for i + j <= 2; the next block's B tiles are made (in the other of two buffers) after the tile
+// products of this one are issued. fp32, bf16 and int8 panels keep their sums in the tiles over all
+// of K; int4 panels (gs: group scales) sum one block in the tiles, which go through tmp to acc
+// times the block's scales (an fp32 FMA per row and panel).
 template <typename W>
 SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
                           int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
