@@ -1736,8 +1736,9 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
 // for i + j <= 2; the next block's B tiles are made (in the other of two buffers) after the tile
 // products of this one are issued. fp32, bf16 and int8 panels keep their sums in the tiles over all
 // of K; int4 panels (gs: group scales) sum one block in the tiles, which go through tmp to acc
-// times the block's scales (an fp32 FMA per row and panel).
-template <typename W>
+// times the block's scales (an fp32 FMA per row and panel), or, RS > 0 (up to RS rows), to
+// registers.
+template <typename W, int RS = 0>
 SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
                           int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
@@ -1745,8 +1746,16 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
   alignas(64) uint16_t bl[2][2 * L * 512];
   alignas(64) float tmp[4 * AMX_ROWS * NR];
   const int64_t R = nrb * h, nb = K / AMXB_K;
-  if constexpr (Q4)
+  static_assert(RS == 0 || Q4, "register sums are int4's");
+  __m512 ra[2][RS > 0 ? RS : 1];
+  if constexpr (RS > 0) {
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q)
+#pragma GCC unroll 16
+      for (int r = 0; r < RS; ++r) ra[q][r] = _mm512_setzero_ps();
+  } else if constexpr (Q4) {
     for (int64_t i = 0; i < np * R; ++i) _mm512_storeu_ps(acc + i * NR, _mm512_setzero_ps());
+  }
   float* const sums = Q4 ? tmp : acc;  // where the tiles are stored: [np][R][NR]
   _tile_zero(0);
   _tile_zero(1);
@@ -1783,7 +1792,16 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
         if (nrb == 2) _tile_stored(3, sums + (R + h) * NR, NR * 4);
       }
     }
-    if constexpr (Q4)
+    if constexpr (RS > 0) {
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q)
+        if (q < np) {
+          const __m512 sc = load_w16(gs + q * gstride + b * NR);
+#pragma GCC unroll 16
+          for (int r = 0; r < RS; ++r)
+            if (r < R) ra[q][r] = _mm512_fmadd_ps(_mm512_load_ps(tmp + (q * R + r) * NR), sc, ra[q][r]);
+        }
+    } else if constexpr (Q4) {
       for (int64_t q = 0; q < np; ++q) {
         const __m512 sc = load_w16(gs + q * gstride + b * NR);
         for (int64_t r = 0; r < R; ++r) {
@@ -1791,6 +1809,14 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
           _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_load_ps(tmp + (q * R + r) * NR), sc, _mm512_loadu_ps(a)));
         }
       }
+    }
+  }
+  if constexpr (RS > 0) {
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q)
+#pragma GCC unroll 16
+      for (int r = 0; r < RS; ++r)
+        if (q < np && r < R) _mm512_storeu_ps(acc + (q * R + r) * NR, ra[q][r]);
   }
 }
 
@@ -1818,8 +1844,11 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
       for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
       for (int64_t g = 0; g < nrb; g += 2) {
         const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
-        amxb_rows(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, Q4 ? gs + p * gstride : nullptr, gstride,
-                  np, acc);
+        const uint16_t* g4 = Q4 ? gs + p * gstride : nullptr;
+        if (Q4 && gb * h <= 8)  // 16 registers hold the int4 sums of two panels
+          amxb_rows<W, Q4 ? 8 : 0>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
+        else
+          amxb_rows(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
         for (int64_t q = 0; q < np; ++q)
           store_rows(rows, acc + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
                      std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
