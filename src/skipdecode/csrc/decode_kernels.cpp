@@ -1597,8 +1597,8 @@ bool amx_permitted() {
 // into fp32 sums (8192 products) per instruction. Nothing is rounded away: an fp32 x is h + m + l
 // exactly (three bf16 limbs, each the top 8 significant bits of what the one before left), a bf16
 // or int8 weight is one limb, and so is an int4 weight's code v (-8..7): its group's scale
-// multiplies the block's tile sums instead (a group is one 32-k block), in fp32, into the sums kept
-// in memory. Three tdpbf16ps per block and panel. An fp32 weight is three limbs too, and the six
+// multiplies the block's tile sums instead (a group is one 32-k block), in fp32, into sums kept in
+// registers or memory (amxb_rows). Three tdpbf16ps per block and panel. An fp32 weight is three limbs too, and the six
 // products whose limb orders add to at most 2 are summed (the three left out are each under 2^-24
 // of their product, the size of an FMA's rounding). Every product summed is exact, in fp32 in the
 // tile's own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
