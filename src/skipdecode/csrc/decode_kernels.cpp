@@ -1598,27 +1598,32 @@ bool amx_permitted() {
 // exactly (three bf16 limbs, each the top 8 significant bits of what the one before left), a bf16
 // or int8 weight is one limb, and so is an int4 weight's code v (-8..7): its group's scale
 // multiplies the block's tile sums instead (a group is one 32-k block), in fp32, into sums kept in
-// registers or memory (amxb_rows). Three tdpbf16ps per block and panel. An fp32 weight is three limbs too, and the six
-// products whose limb orders add to at most 2 are summed (the three left out are each under 2^-24
-// of their product, the size of an FMA's rounding). Every product summed is exact, in fp32 in the
-// tile's own order, so the outputs are not the FMA forms' bits: they agree to fp32 rounding
-// (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the call. The low
-// limbs of an x under 2^-110 fall below bf16's normal range and count as zero, as the tile unit
-// treats subnormals (an error under 2^-126 times the weight). fp32 weights take the tiles from 24
-// rows, where they were faster than the stream form (even at 16, slower at 8: making three weight
-// limbs costs more than the FMA forms spend).
+// registers or memory (amxb_rows). Three tdpbf16ps per block and panel. An fp32 weight is three
+// limbs too, and the six products whose limb orders add to at most 2 are summed (the three left out
+// are each under 2^-24 of their product, the size of an FMA's rounding). Every product summed is
+// exact, in fp32 in the tile's own order, so the outputs are not the FMA forms' bits: they agree to
+// fp32 rounding (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the
+// call. The low limbs of an x under 2^-110 fall below bf16's normal range and count as zero, as the
+// tile unit treats subnormals (an error under 2^-126 times the weight). fp32 weights take the tiles
+// from 24 rows, where they were faster than the stream form (even at 16, slower at 8: making three
+// weight limbs costs more than the FMA forms spend).
 #define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 bool g_amx_bf16 = false;
 // Rows from which the tiles run, per weight dtype; below them the FMA forms do.
 constexpr int64_t AMXB_MIN_F32 = 24, AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 8;
 constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16 columns
 
+// What the bf16 limb of each fp32 value (its top half) leaves out: exact, the next limb's value.
+SD_AVX512 static inline __m512 limb_rest(__m512 v) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  return _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top)));
+}
+
 // x [M, K] as its three bf16 limbs in A-tile form: per 32-k block b and limb i, the Mp rows' 32 k
 // (rows M .. Mp - 1 zero) at out + ((b * 3 + i) * Mp + m) * AMXB_K, so that a block's tiles are one
 // contiguous run the caches stream in. A limb's 32 words are the top halves of 32 fp32 values: one
 // two-source permutation picks them.
 SD_AVX512 void split_rows_bf16(const float* x, int64_t M, int64_t Mp, int64_t K, uint16_t* out) {
-  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
                                        21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   for (int64_t b = 0; b < K / AMXB_K; ++b)  // the padding rows
@@ -1629,10 +1634,7 @@ SD_AVX512 void split_rows_bf16(const float* x, int64_t M, int64_t Mp, int64_t K,
       for (int i = 0; i < 3; ++i) {
         _mm512_storeu_si512(out + ((b * 3 + i) * Mp + m) * AMXB_K,
                             _mm512_permutex2var_epi16(_mm512_castps_si512(v0), odd, _mm512_castps_si512(v1)));
-        if (i < 2) {  // exact: what the limb left out
-          v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), top)));
-          v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), top)));
-        }
+        if (i < 2) v0 = limb_rest(v0), v1 = limb_rest(v1);
       }
     }
 }
@@ -1678,7 +1680,6 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
   for (int64_t q = 0; q < np; ++q) {
     uint16_t* o = out + q * amxb_limbs<W> * 512;
     if constexpr (std::is_same<W, float>::value) {
-      const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
       const float* p = w + q * wstride + k0 * NR;
       for (int t = 0; t < 16; ++t) {
         _mm_prefetch(reinterpret_cast<const char*>(p + t * 32) + PF_BYTES, _MM_HINT_T0);
@@ -1686,10 +1687,7 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
         __m512 e = _mm512_loadu_ps(p + t * 32), d = _mm512_loadu_ps(p + t * 32 + 16);
         for (int j = 0; j < 3; ++j) {
           _mm512_storeu_si512(o + j * 512 + t * 32, pair_tops(e, d));
-          if (j < 2) {  // exact: what the limb left out
-            e = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e), top)));
-            d = _mm512_sub_ps(d, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(d), top)));
-          }
+          if (j < 2) e = limb_rest(e), d = limb_rest(d);
         }
       }
     } else if constexpr (std::is_same<W, uint16_t>::value) {
