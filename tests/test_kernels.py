@@ -123,6 +123,53 @@ def test_linear_takes_a_non_contiguous_input(k):
     torch.testing.assert_close(k.linear(x, kernels.pack_weight(w), None, 24), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for a test and puts the previous one back."""
+    prev = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(prev)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 100, 20000])
+@pytest.mark.parametrize("chunk", [0, 1, 2, 5])
+def test_shared_panels_go_to_exactly_one_thread_however_many_threads_run(k, threads, n, chunk):
+    for t in (1, 2, 4):  # 4 on a 2-core machine: threads stall, and others take from their shares
+        threads(t)
+        for _ in range(5):
+            got = k.steal_counts(n, chunk)
+            assert got[:n] == [1] * n
+            if min(n, t) <= 1:  # one thread: every index in one range
+                assert got[n] == min(n, 1)
+            elif chunk == 0:  # fixed shares: one range per thread
+                assert got[n] == min(n, t)
+            else:  # no range longer than chunk
+                assert got[n] >= -(-n // chunk)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_panel_outputs_do_not_depend_on_how_threads_share_the_panels(k, threads, dtype, rows, isa):
+    n, kdim = 16 * 97 + 5, 320
+    g = _gen(rows + 7)
+    w = torch.randn(n, kdim, generator=g)
+    s = None
+    if dtype == "int8":
+        w = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
+        s = kernels.pack_scales(torch.rand(n, generator=g) * 0.01)
+    elif dtype == "bfloat16":
+        w = w.bfloat16()
+    p, x = kernels.pack_weight(w), torch.randn(rows, kdim, generator=g)
+    threads(1)
+    ref = k.linear(x, p, None, n, s)
+    for t in (2, 4):
+        threads(t)
+        for _ in range(10):
+            assert torch.equal(k.linear(x, p, None, n, s), ref)
+
+
 def test_packed_weight_holds_every_weight_once_in_16_column_panels():
     w = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
     p = kernels.pack_weight(w)

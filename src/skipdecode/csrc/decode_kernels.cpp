@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -608,18 +609,79 @@ struct Prefetch {
   }
 };
 
+// Indices 0 .. n - 1 shared among torch's threads: each thread runs worker(next) once, and
+// next(b, e) hands it a range [b, e) until none is left (false). Each thread starts on its own
+// contiguous share, taken `chunk` at a time from the front; a thread that has run out takes the
+// back half of what another has left, which becomes its own share, taken from the same way
+// (chunk 0: each share whole, nothing taken from another: a fixed split as parallel_for's). Why:
+// threads run at different rates from one step to the next (memory and cores shared with other
+// machines), and with fixed shares the faster waited for the slower: perf put each thread of a
+// batch-1 int8 step in libgomp's barrier for about a third of the step. Whole indices go to one
+// thread as before (an output is summed by one thread), so no output changes.
+struct alignas(64) StealRange {
+  std::atomic<uint64_t> r;  // begin | end << 32
+};
+template <typename Worker>
+void parallel_steal(int64_t n, int64_t chunk, const Worker& worker) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    bool given = n <= 0;
+    worker([&](int64_t& b, int64_t& e) {
+      if (given) return false;
+      b = 0, e = n, given = true;
+      return true;
+    });
+    return;
+  }
+  constexpr uint64_t LO = 0xffffffffu;
+  const auto pack = [](uint64_t b, uint64_t e) { return b | e << 32; };
+  std::vector<StealRange> ranges(threads);
+  for (int64_t t = 0; t < threads; ++t) ranges[t].r.store(pack(n * t / threads, n * (t + 1) / threads));
+  const bool steal = chunk > 0;
+  if (!steal) chunk = n;
+  // One share per thread of the team; a smaller team than asked for runs some shares in turn.
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) worker([&](int64_t& b, int64_t& e) {
+      for (;;) {
+        uint64_t r = ranges[t].r.load(std::memory_order_acquire);
+        while ((r & LO) < (r >> 32)) {  // the own share, from the front
+          const uint64_t m = std::min<uint64_t>(r >> 32, (r & LO) + chunk);
+          if (ranges[t].r.compare_exchange_weak(r, pack(m, r >> 32), std::memory_order_acq_rel)) {
+            b = static_cast<int64_t>(r & LO), e = static_cast<int64_t>(m);
+            return true;
+          }
+        }
+        if (!steal) return false;
+        int64_t v = -1;  // the thread with the most left
+        uint64_t most = 0, x = 0;
+        for (int64_t u = 0; u < threads; ++u) {
+          const uint64_t y = ranges[u].r.load(std::memory_order_acquire);
+          if (u != t && (y >> 32) > (y & LO) && (y >> 32) - (y & LO) > most) most = (y >> 32) - (y & LO), v = u, x = y;
+        }
+        if (v < 0) return false;
+        const uint64_t mid = (x >> 32) - ((x >> 32) - (x & LO) + 1) / 2;
+        if (ranges[v].r.compare_exchange_strong(x, pack(x & LO, mid), std::memory_order_acq_rel))
+          ranges[t].r.store(pack(mid, x >> 32), std::memory_order_release);
+      }
+    });
+  });
+}
+
 // The loop every panel GEMM shares: panels split across threads, K in blocks of KC (a weight
 // block stays in L1 while every row block uses it), rows in blocks of mr. body(p, k0, kc, m, r, acc)
-// runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows.
+// runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows. With steal,
+// a thread takes its share two panels at a time and one that runs out takes from another's
+// (parallel_steal); without, each thread runs one fixed share.
 template <typename Body>
-void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Prefetch& pf, const Body& body) {
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, bool steal, const Prefetch& pf, const Body& body) {
+  parallel_steal(NP, steal ? 2 : 0, [&](const auto& next) {
     std::vector<float> acc(((M + mr - 1) / mr) * mr * NR);
-    for (int64_t p = p0; p < p1; ++p) {
-      pf.part(p, NP);
-      for (int64_t k0 = 0; k0 < K; k0 += KC)
-        for (int64_t m = 0; m < M; m += mr) body(p, k0, std::min(KC, K - k0), m, std::min(mr, M - m), acc.data() + m * NR);
-    }
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t p = p0; p < p1; ++p) {
+        pf.part(p, NP);
+        for (int64_t k0 = 0; k0 < K; k0 += KC)
+          for (int64_t m = 0; m < M; m += mr) body(p, k0, std::min(KC, K - k0), m, std::min(mr, M - m), acc.data() + m * NR);
+      }
   });
 }
 
@@ -640,7 +702,7 @@ inline void even_row_blocks(int64_t M, int64_t nrb, const Body& body) {
 template <typename W>
 void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa, const float* ba,
                    int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  panel_loop(M, K, NP, MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+  panel_loop(M, K, NP, MR, true, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
@@ -681,7 +743,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
   std::vector<float> xp, sx;
   prescale_q4(xa, M, K, xp, sx);
   const int64_t ng = K / G4;
-  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
+  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, false, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
                                                        float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
@@ -1883,7 +1945,7 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
   // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
-  panel_loop(M, K, NP, A16 ? 8 : 12, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+  panel_loop(M, K, NP, A16 ? 8 : 12, false, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
@@ -2602,6 +2664,24 @@ float fma_chains256(int64_t iters) {
   return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
 }
 
+// How many times parallel_steal hands out each of 0 .. n - 1 (each must be once), then how many
+// ranges it handed them out in; for the tests.
+std::vector<int64_t> steal_counts(int64_t n, int64_t chunk) {
+  check(n >= 0 && n < (int64_t(1) << 32), "n must be in [0, 2^32)");
+  std::vector<std::atomic<int64_t>> seen(n);
+  std::atomic<int64_t> ranges{0};
+  parallel_steal(n, chunk, [&](const auto& next) {
+    for (int64_t b, e; next(b, e);) {
+      ranges.fetch_add(1);
+      for (int64_t i = b; i < e; ++i) seen[i].fetch_add(1);
+    }
+  });
+  std::vector<int64_t> out(n + 1);
+  for (int64_t i = 0; i < n; ++i) out[i] = seen[i].load();
+  out[n] = ranges.load();
+  return out;
+}
+
 // FLOPs of `iters` rounds on every thread of torch's pool (one range per thread); time it to get the rate.
 double fma_flops(int64_t iters) {
   check(iters >= 1, "iters must be >= 1");
@@ -2656,6 +2736,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
   m.def("decode_attention", &decode_attention, "one query position per row, grouped KV heads read once",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
+  m.def("steal_counts", &steal_counts, "times parallel_steal hands out each index, then the ranges it handed out",
+        py::arg("n"), py::arg("chunk"));
   m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
         py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
