@@ -615,9 +615,11 @@ struct Prefetch {
 // back half of what another has left, which becomes its own share, taken from the same way
 // (chunk 0: each share whole, nothing taken from another: a fixed split as parallel_for's). Why:
 // threads run at different rates from one step to the next (memory and cores shared with other
-// machines), and with fixed shares the faster waited for the slower: perf put each thread of a
-// batch-1 int8 step in libgomp's barrier for about a third of the step. Whole indices go to one
-// thread as before (an output is summed by one thread), so no output changes.
+// machines), and with fixed shares the faster waited for the slower (a profile of a batch-1 int8
+// step found both threads spending much of it in libgomp's barrier). Whole indices go to one
+// thread as before (an output is summed by one thread), so no output changes. In panel_loop, for
+// the fp32-activation panels: int8 decode steps at batch 1 1.10x faster on an Intel Xeon, bf16
+// 1.04x, fp32 even (benchmarks/results/kernel-ab-steal-panels.json).
 struct alignas(64) StealRange {
   std::atomic<uint64_t> r;  // begin | end << 32
 };
