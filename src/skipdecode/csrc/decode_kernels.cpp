@@ -40,6 +40,12 @@ constexpr int64_t MR = 6;    // rows per micro-kernel: 12 accumulators + 2 weigh
 // took the committed fp32 batch-8 decode step from 41.4 to 32.2 ms
 // (benchmarks/results/bench.md before and after, same machine).
 constexpr int64_t PF_BYTES = 4096;
+// The narrow forms (batch-1 decode) also ask for the line 16 KB ahead into L2 (prefetcht1), once
+// or twice a line: with the 4 KB requests alone, int8 panels streamed at 67% of the read bandwidth
+// while their arithmetic alone took well under that time
+// (benchmarks/results/xeon-amx/gemm-streamed-b1.json). Batch-1 decode steps with and without:
+// benchmarks/results/kernel-ab-far-prefetch.json.
+constexpr int64_t PF_FAR_BYTES = 4 * PF_BYTES;
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
 
 // 16 weights of one panel row as two fp32 vectors: fp32 panels load directly;
@@ -275,6 +281,8 @@ SD_AVX512 static inline void micro_kernel512(const float* x, int64_t ldx, const 
   for (; k + U <= kc; k += U)
     for (int u = 0; u < U; ++u) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_BYTES, _MM_HINT_T0);
+      if ((k + u) * NR * sizeof(W) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_FAR_BYTES, _MM_HINT_T1);
       const __m512 wv = load_w16(w + (k + u) * NR);
       for (int r = 0; r < R; ++r) a[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), wv, a[u][r]);
     }
@@ -345,6 +353,7 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
     if constexpr (R2 > 0) b.zero();
     for (int64_t k = g; k < g + G4; k += 8) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_FAR_BYTES, _MM_HINT_T1);
       const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * 8));
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -1123,10 +1132,12 @@ SD_VNNI static inline void micro_kernel_a8(const int8_t* xq, const int8_t* xl, c
       if constexpr (Q4) {
         const uint8_t* p = static_cast<const uint8_t*>(wv) + k * (NR / 2);
         _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PF_FAR_BYTES, _MM_HINT_T1);
         w = vnni_i4(p);
       } else {
         const int8_t* p = static_cast<const int8_t*>(wv) + k * NR;
         _mm_prefetch(reinterpret_cast<const char*>(p) + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PF_FAR_BYTES, _MM_HINT_T1);
         w = vnni_i8(p);
       }
       for (int r = 0; r < R; ++r) {
