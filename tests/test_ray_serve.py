@@ -147,10 +147,7 @@ def test_the_health_check_fails_once_the_replicas_engine_loop_dies(chat_model_di
         state.llm.model.decode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated kernel failure"))
         # greedy: a sampled first token may be EOS, which ends the request before any decode step
         r = tc.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0})
-        assert r.status_code >= 500, r.text
-        deadline = time.monotonic() + 10  # the loop's thread ends just after it fails its waiters
-        while state.aengine.alive and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert r.status_code >= 500, r.text  # the loop records its error before it fails its waiters
         with pytest.raises(RuntimeError, match="engine loop not alive.*simulated kernel failure"):
             check_replica(state)
 
