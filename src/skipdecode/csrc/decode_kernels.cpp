@@ -644,8 +644,10 @@ void parallel_steal(int64_t n, int64_t chunk, const Worker& worker) {
     });
     return;
   }
-  constexpr uint64_t LO = 0xffffffffu;
   const auto pack = [](uint64_t b, uint64_t e) { return b | e << 32; };
+  const auto begin = [](uint64_t r) { return r & 0xffffffffu; };
+  const auto end = [](uint64_t r) { return r >> 32; };
+  const auto left = [&](uint64_t r) { return end(r) > begin(r) ? end(r) - begin(r) : 0; };
   std::vector<StealRange> ranges(threads);
   for (int64_t t = 0; t < threads; ++t) ranges[t].r.store(pack(n * t / threads, n * (t + 1) / threads));
   const bool steal = chunk > 0;
@@ -655,24 +657,24 @@ void parallel_steal(int64_t n, int64_t chunk, const Worker& worker) {
     for (int64_t t = t0; t < t1; ++t) worker([&](int64_t& b, int64_t& e) {
       for (;;) {
         uint64_t r = ranges[t].r.load(std::memory_order_acquire);
-        while ((r & LO) < (r >> 32)) {  // the own share, from the front
-          const uint64_t m = std::min<uint64_t>(r >> 32, (r & LO) + chunk);
-          if (ranges[t].r.compare_exchange_weak(r, pack(m, r >> 32), std::memory_order_acq_rel)) {
-            b = static_cast<int64_t>(r & LO), e = static_cast<int64_t>(m);
+        while (left(r) > 0) {  // the own share, from the front
+          const uint64_t m = std::min<uint64_t>(end(r), begin(r) + chunk);
+          if (ranges[t].r.compare_exchange_weak(r, pack(m, end(r)), std::memory_order_acq_rel)) {
+            b = static_cast<int64_t>(begin(r)), e = static_cast<int64_t>(m);
             return true;
           }
         }
         if (!steal) return false;
         int64_t v = -1;  // the thread with the most left
-        uint64_t most = 0, x = 0;
+        uint64_t x = 0;
         for (int64_t u = 0; u < threads; ++u) {
           const uint64_t y = ranges[u].r.load(std::memory_order_acquire);
-          if (u != t && (y >> 32) > (y & LO) && (y >> 32) - (y & LO) > most) most = (y >> 32) - (y & LO), v = u, x = y;
+          if (u != t && left(y) > left(x)) v = u, x = y;
         }
         if (v < 0) return false;
-        const uint64_t mid = (x >> 32) - ((x >> 32) - (x & LO) + 1) / 2;
-        if (ranges[v].r.compare_exchange_strong(x, pack(x & LO, mid), std::memory_order_acq_rel))
-          ranges[t].r.store(pack(mid, x >> 32), std::memory_order_release);
+        const uint64_t mid = end(x) - (left(x) + 1) / 2;
+        if (ranges[v].r.compare_exchange_strong(x, pack(begin(x), mid), std::memory_order_acq_rel))
+          ranges[t].r.store(pack(mid, end(x)), std::memory_order_release);
       }
     });
   });
