@@ -8,6 +8,9 @@ with wrappers around the model's decode call, its LM head and its layer stack's 
   python       -- the model's decode minus its layer calls and head (embedding, RoPE tables, the layer loop)
   layer calls  -- the fused layers' one LayerStack call (GEMMs, norms, RoPE, attention, SwiGLU, argument passing)
   head         -- the final norm and LM head
+These parts are timed with one Python step a call (generate.DECODE_BURST = 1); native_step_ms is the
+step with generate's native bursts (LayerStack.greedy: the same kernel calls without the Python
+between them), best of runs interleaved with those, and native_speedup the Python step over it.
 Run from the repository root: .venv/bin/python benchmarks/step_breakdown.py [OUT.json] [--rows R]
 """
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import skipdecode.generate as gen
 from skipdecode import LLM
 from skipdecode.bench.decode import PROMPTS, machine_info
 from skipdecode.generate import generate_tokens
@@ -52,12 +56,16 @@ def breakdown(dtype: str, rows: int = 1) -> dict:
     class Timed:  # the layer stack with its call timed
         run = staticmethod(timed("layers", stack.run))
 
+    burst = gen.DECODE_BURST
     net.decode, net.head = timed("decode", real_decode), timed("head", real_head)
-    net._stack = Timed()
     try:
         generate_tokens(net, ids, sched, 8, eos_token_ids=())
-        best = None
-        for _ in range(RUNS):
+        best, native = None, float("inf")
+        for _ in range(RUNS):  # a native run, then a timed Python one: drift hits both alike
+            net._stack, gen.DECODE_BURST = stack, burst
+            stats = generate_tokens(net, ids, sched, N, eos_token_ids=())[1]
+            native = min(native, stats["decode_seconds"] / (N - 1))
+            net._stack, gen.DECODE_BURST = Timed(), 1  # Timed has no native loop: every step in Python
             for k in spent:
                 spent[k], calls[k] = 0.0, 0
             stats = generate_tokens(net, ids, sched, N, eos_token_ids=())[1]
@@ -70,10 +78,11 @@ def breakdown(dtype: str, rows: int = 1) -> dict:
     finally:
         del net.decode, net.head
         net._stack = stack
+        gen.DECODE_BURST = burst
     ms = lambda s: round(s * 1000, 3)  # noqa: E731
     return {"dtype": dtype, "step_ms": ms(best["step"]), "engine_ms": ms(best["step"] - best["decode"]),
             "python_ms": ms(best["decode"] - best["layers"] - best["head"]), "layer_calls_ms": ms(best["layers"]),
-            "head_ms": ms(best["head"])}
+            "head_ms": ms(best["head"]), "native_step_ms": ms(native), "native_speedup": round(best["step"] / native, 3)}
 
 
 def main() -> None:

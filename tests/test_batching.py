@@ -40,9 +40,14 @@ def test_batch_gives_same_tokens_as_each_row_alone(arch, tiny_packed):
     assert len({tuple(r.token_ids) for r in batch}) > 1, "rows should differ"
 
 
-def test_finished_rows_leave_the_batch(tiny_packed):
+def test_finished_rows_leave_the_batch(tiny_packed, monkeypatch):
     """A row that hits EOS stops there; the others go on exactly as before,
-    and every later forward pass runs without it (it is dropped, not masked)."""
+    and every later forward pass runs without it (it is dropped, not masked).
+    One Python step a call, so each step's outputs stream in turn (native bursts:
+    test_generate_runs_steady_greedy_steps_natively_with_the_tokens_of_python_steps)."""
+    import skipdecode.generate as gen
+
+    monkeypatch.setattr(gen, "DECODE_BURST", 1)
     model = tiny_packed["llama"]
     sched = _skip(model.n_layers)
     prompts = _prompts(seed=1)
@@ -188,3 +193,30 @@ def test_streaming_callback_reassembles_text(default_llm):
         assert "".join(pieces[r]) == o.text
         assert o.text.strip()
     assert len(pieces[0]) > 1, "text arrives token by token, not at the end"
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "mistral", "opt", "gpt2"])
+def test_generate_runs_steady_greedy_steps_natively_with_the_tokens_of_python_steps(arch, tiny_packed, monkeypatch):
+    """generate_tokens bursts a static greedy batch's steady steps through the native loop
+    (Llama-family models on the compiled kernels; OPT and GPT-2 step in Python): the same tokens,
+    layer sets, finish reasons and decode steps as one Python step at a time, one step time per
+    decode step, with an EOS ending a row mid-burst."""
+    import skipdecode.generate as gen
+
+    model = tiny_packed[arch]
+    sched = _skip(model.n_layers)
+    prompts = _prompts(4)
+    monkeypatch.setattr(gen, "DECODE_BURST", 1)
+    plain, _ = generate_tokens(model, prompts, sched, 24)
+    r, step, eos = pick_eos([row.token_ids for row in plain], min_step=4)
+    runs = {}
+    for burst in (1, 16):
+        monkeypatch.setattr(gen, "DECODE_BURST", burst)
+        runs[burst] = generate_tokens(model, prompts, sched, 24, eos_token_ids=[eos])
+    (want, want_stats), (got, stats) = runs[1], runs[16]
+    for a, b in zip(want, got):
+        assert (b.token_ids, b.active_layers, b.finish_reason) == (a.token_ids, a.active_layers, a.finish_reason)
+    assert got[r].finish_reason == "eos" and len(got[r].token_ids) == step + 1
+    assert stats["decode_steps"] == want_stats["decode_steps"]
+    assert len(stats["step_seconds"]) == stats["engine_steps"] - 1 == want_stats["engine_steps"] - 1
+    assert model.native_greedy(len(prompts)) == (arch not in ("opt", "gpt2"))

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import build_deep_llama, drive as _drive
+from conftest import build_deep_llama, drive as _drive, pick_eos
 from skipdecode.checkpoint import load_model
 from skipdecode.engine import AsyncEngine, Engine, EngineConfig, EngineError, SamplingParams, layer_needs
 from skipdecode.reference import naive_generate
@@ -341,3 +341,90 @@ def test_a_burst_of_prompts_sharing_a_preamble_computes_it_once_per_step(deep):
     assert eng.counters["prompt_tokens_cached"] == 5 * 32
     for r, p in enumerate(prompts):
         assert done[str(r)].token_ids == _alone(model, p, _sched(1, 3), 3)[0]
+
+
+def _steady_run(model, specs: list[dict], burst: int, eos=(), **cfg) -> tuple[dict, dict, int, list]:
+    """Run ``specs`` (add_request keywords) admitted together: final outputs by id, the engine's
+    counters, its step() calls and every output streamed."""
+    eng = Engine(model, EngineConfig(kv_slots=2048, decode_burst=burst, **cfg), eos_token_ids=eos)
+    for spec in specs:
+        eng.add_request(**spec)
+    done, calls, streamed = {}, 0, []
+    while eng.has_unfinished():
+        calls += 1
+        for o in eng.step():
+            streamed.append(o)
+            if o.finished:
+                done[o.request_id] = o
+    assert eng.pool.used_slots == 0
+    return done, dict(eng.counters), calls, streamed
+
+
+@pytest.mark.parametrize("speedup", [1, 2, 3, 5])
+def test_a_steady_greedy_batch_decodes_in_native_bursts_exactly_as_step_by_step(deep, speedup):
+    """With decode_burst, the steady stretches of a greedy batch on one schedule run in the model's
+    native loop (Transformer.greedy_steps): the same tokens, layer sets, finish reasons, budgets
+    and counters as one step a call, every token streamed once, in fewer calls. An EOS ending one
+    row mid-burst ends the burst there; rows of other prompt lengths share it."""
+    _, model = deep
+    if not model.native_greedy(3):
+        pytest.skip("the compiled kernels are not in use here")
+    g = torch.Generator().manual_seed(speedup)
+    new = 30
+    specs = [dict(prompt_token_ids=torch.randint(3, VOCAB, (n,), generator=g).tolist(),
+                  schedule=_sched(speedup, new), max_new_tokens=m, request_id=f"r{i}")
+             for i, (n, m) in enumerate([(5, new), (40, new), (17, 23)])]
+    ref, ref_counts, ref_calls, _ = _steady_run(model, specs, 1)
+    r, step, eos = pick_eos([ref[f"r{i}"].token_ids for i in range(3)], min_step=3)
+    for eos_ids in ((), (eos,)):
+        want, want_counts, _, _ = _steady_run(model, specs, 1, eos_ids)
+        got, counts, calls, streamed = _steady_run(model, specs, 8, eos_ids)
+        assert calls < ref_calls / 3, "the steady steps ran in bursts"
+        for rid, o in want.items():
+            assert got[rid].token_ids == o.token_ids, rid
+            assert got[rid].active_layers == o.active_layers, rid
+            assert got[rid].finish_reason == o.finish_reason, rid
+            assert got[rid].decode_layer_speedup == o.decode_layer_speedup, rid
+            assert [t for s in streamed if s.request_id == rid for t in s.new_token_ids] == o.token_ids
+        for key in ("decode_steps", "decode_rows", "decode_layers_run", "decode_layers_full", "generated_tokens"):
+            assert counts[key] == want_counts[key], key
+    assert want[f"r{r}"].finish_reason == "eos" and len(want[f"r{r}"].token_ids) == step + 1
+
+
+def test_bursts_keep_every_step_count_and_leave_other_requests_step_by_step(deep):
+    """Requests queued for a seat are admitted at the step they would be without bursts (a burst
+    ends where a request finishes), and every output keeps its step numbers; sampled requests run
+    one step a call, and rows on different schedules burst only while they run the same layers:
+    all with the tokens a run without bursts gives."""
+    _, model = deep
+    if not model.native_greedy(1):
+        pytest.skip("the compiled kernels are not in use here")
+    g = torch.Generator().manual_seed(3)
+    prompt = lambda n: torch.randint(3, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    cases = {
+        "queued": ([dict(prompt_token_ids=prompt(9), schedule=_sched(2, 12), max_new_tokens=12, request_id=f"q{i}")
+                    for i in range(3)], dict(max_num_seqs=1)),
+        "sampled": ([dict(prompt_token_ids=prompt(9), schedule=_sched(3, 12), max_new_tokens=12, request_id="s",
+                          sampling=sampled)], {}),
+        "mixed": ([dict(prompt_token_ids=prompt(9), schedule=_sched(sp, 16), max_new_tokens=16, request_id=f"m{sp}")
+                   for sp in (1, 3)], {}),
+    }
+    calls = {}
+    for name, (specs, cfg) in cases.items():
+        want, _, want_calls, _ = _steady_run(model, specs, 1, **cfg)
+        got, _, calls[name], _ = _steady_run(model, specs, 8, **cfg)
+        for rid, o in want.items():
+            assert got[rid].token_ids == o.token_ids, rid
+            assert (got[rid].arrived_step, got[rid].finished_step) == (o.arrived_step, o.finished_step), rid
+        if name == "sampled":
+            assert calls[name] == want_calls
+        else:  # the queued requests burst alone; the 1x and 3x rows only while both run every layer
+            assert calls[name] < want_calls if name == "queued" else calls[name] <= want_calls, name
+
+
+def test_decode_burst_must_be_a_positive_integer(deep):
+    _, model = deep
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(EngineError, match="decode_burst must be an integer >= 1"):
+            Engine(model, EngineConfig(decode_burst=bad))

@@ -991,3 +991,45 @@ def test_a_model_fuses_a_bucket_its_linears_left_unfused_where_its_timed_layers_
     assert all(b.fuse_plan == want for b in net.layers)
     f, u = net._time_layers(4)
     assert f > 0 and u > 0 and all(b.fuse_plan == want for b in net.layers)  # timing leaves the plans as they were
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16"])
+def test_native_greedy_steps_pick_the_tokens_of_python_steps_in_every_weight_dtype(tiny_dirs, weights):
+    """LayerStack.greedy (Transformer.greedy_steps) runs a step's layers, final norm, LM head
+    (its scales and activation form) and argmax as a Python step does: generate's native bursts
+    give the tokens of one Python step at a time in every weight dtype, 3 rows at 2x."""
+    import skipdecode.generate as gen
+    from skipdecode.checkpoint import load_model
+    from skipdecode.generate import generate_tokens
+    from skipdecode.schedule import SkipSchedule
+
+    net = load_model(tiny_dirs["llama"])[0].pack_for_inference(weights=weights)
+    assert net.native_greedy(3)
+    g = _gen(41)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    sched = SkipSchedule.for_speedup(2.0, 20, net.n_layers)
+    out = {}
+    prev = gen.DECODE_BURST
+    try:
+        for burst in (1, 8):
+            gen.DECODE_BURST = burst
+            out[burst] = [r.token_ids for r in generate_tokens(net, prompts, sched, 20)[0]]
+    finally:
+        gen.DECODE_BURST = prev
+    assert out[8] == out[1]
+
+
+@needs_kernels
+def test_native_greedy_steps_refuse_tokens_and_positions_outside_the_model(tiny_packed):
+    """A bad token id or a position past the RoPE tables is a clear error, not a read outside them."""
+    net = tiny_packed["llama"]
+    L = net.n_layers
+    pools = [(torch.zeros(net.cfg.n_kv_heads, 8, net.cfg.head_dim), torch.zeros(net.cfg.n_kv_heads, 8, net.cfg.head_dim))
+             for _ in range(L)]
+    starts = torch.zeros(L, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="token id outside the embedding"):
+        net.greedy_steps([net.cfg.vocab_size], [0], [list(range(L))], pools, starts)
+    with pytest.raises(RuntimeError, match="row slots outside the KV pool"):
+        net.greedy_steps([1], [8], [list(range(L))], pools, starts)
+    assert len(net.greedy_steps([1], [0], [list(range(L))] * 3, pools, starts)) == 3

@@ -109,11 +109,14 @@ DEFAULT_PROMPTS = [  # answers longer than 16 tokens, prompts of different lengt
 
 
 @pytest.mark.slow
-def test_default_model_greedy_matches_transformers(default_llm):
+def test_default_model_greedy_matches_transformers(default_llm, monkeypatch):
     """SmolLM2-135M-Instruct, chat prompts batched (each in its own KV slots), packed
     weights: the same 16 greedy tokens as transformers for every prompt, and
-    the logits that chose each row's last token within 1e-4."""
+    the logits that chose each row's last token within 1e-4 (one Python step a call,
+    whose sampling sees them); generate's native bursts give the same tokens."""
     from transformers import AutoModelForCausalLM
+
+    import skipdecode.generate as gen
 
     llm = default_llm
     hf = AutoModelForCausalLM.from_pretrained(llm.path, dtype=torch.float32).eval()
@@ -136,12 +139,16 @@ def test_default_model_greedy_matches_transformers(default_llm):
         state["chose"][req] = state["logits"][state["b"]]
         state["b"] += 1
 
+    bursts, _ = generate_tokens(llm.model, ids, SkipSchedule.full_depth(llm.num_layers), n,
+                                eos_token_ids=llm.eos_token_ids)
+    monkeypatch.setattr(gen, "DECODE_BURST", 1)
     engine_mod.sample_rows = recording_sample_rows
     try:
         rows, _ = generate_tokens(llm.model, ids, SkipSchedule.full_depth(llm.num_layers), n,
                                   eos_token_ids=llm.eos_token_ids, on_token=on_token)
     finally:
         engine_mod.sample_rows = sample_rows
+    assert [r.token_ids for r in bursts] == [r.token_ids for r in rows]
 
     for r, (p, row) in enumerate(zip(ids, rows)):
         expected = _hf_greedy(hf, torch.tensor([p]), n, eos=llm.eos_token_ids[0])[0].tolist()

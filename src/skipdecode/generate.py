@@ -21,6 +21,9 @@ from .schedule import SkipSchedule
 
 GenerationError = EngineError  # the error of bad generation input
 Sampling = SamplingParams  # greedy when temperature == 0
+# A static batch has no arrivals to admit: its steady greedy stretches run in the model's native
+# loop, this many steps a call (EngineConfig.decode_burst; streamed text comes a burst at a time).
+DECODE_BURST = 16
 
 __all__ = ["GenerationError", "RowResult", "Sampling", "generate_tokens", "sample"]
 
@@ -96,7 +99,7 @@ def generate_tokens(
         except EngineError as e:
             raise GenerationError(f"prompt {r}: {e}") from None
     lens = [len(q.prompt_token_ids) for q in requests]
-    cfg = EngineConfig(max_num_seqs=len(prompts), max_prefill_tokens=sum(lens), policy=policy,
+    cfg = EngineConfig(max_num_seqs=len(prompts), max_prefill_tokens=sum(lens), policy=policy, decode_burst=DECODE_BURST,
                        kv_slots=pool_for([q.kv_schedule for q in requests], lens, [max_new_tokens] * len(requests)))
     engine = Engine(model, cfg, tokenizer=tokenizer, eos_token_ids=eos_token_ids)
     for q in requests:
@@ -109,7 +112,7 @@ def generate_tokens(
     first_step_done = None
     step_seconds: list[float] = []  # each decode step's wall time, after the first step
     while engine.has_unfinished():
-        t_step = time.perf_counter()
+        t_step, steps_before = time.perf_counter(), engine.step_count
         for out in engine.step():
             r = int(out.request_id)
             if on_token is not None:
@@ -126,8 +129,9 @@ def generate_tokens(
                     res.draft = out.draft.to_dict(L, len(out.token_ids) - 1)
         if first_step_done is None:
             first_step_done = time.perf_counter()
-        else:
-            step_seconds.append(time.perf_counter() - t_step)
+        else:  # a burst of decode steps (EngineConfig.decode_burst): each its share of the call
+            n = engine.step_count - steps_before
+            step_seconds += [(time.perf_counter() - t_step) / n] * n
     total = time.perf_counter() - t0
     c = engine.counters
     stats = {"prefill_seconds": (first_step_done or t0) - t0, "decode_seconds": total - ((first_step_done or t0) - t0),

@@ -766,6 +766,42 @@ class Transformer(nn.Module):
             return None
         return counts
 
+    def native_greedy(self, rows: int) -> bool:
+        """Whether ``greedy_steps`` can run ``rows`` rows: a Llama-family model whose layers are
+        one ``LayerStack`` fused at that row count, with the final norm and LM head on the same
+        compiled kernels, so the native loop makes the calls a Python step makes."""
+        head, norm, k = self.lm_head, self.norm, self._stack_kernels
+        return (self._stack is not None and hasattr(self._stack, "greedy") and self.cfg.pos == "rope"
+                and self.project_in is None and self.project_out is None and self.pos_emb is None
+                and self.tok_emb.weight.dtype == torch.float32
+                and isinstance(norm, RMSNorm) and norm.kernels is k and norm.weight.dtype == torch.float32
+                and isinstance(head, PackedLinear) and head.kernels is k and head.uses_hand(rows)
+                and len(self.layers) == len(self._stack_layers)
+                and all(a is b and a.fused_decode and a.kernels is k for a, b in zip(self.layers, self._stack_layers))
+                and bool(self._stack_plan[dispatch.bucket(rows)]))
+
+    @torch.inference_mode()
+    def greedy_steps(self, tokens: Sequence[int], positions: Sequence[int], step_layers: Sequence[Sequence[int]],
+                     pools: Sequence[tuple[torch.Tensor, torch.Tensor]], starts: torch.Tensor,
+                     eos: Sequence[int] = ()) -> list[list[int]]:
+        """Greedy decode steps in one native call (``native_greedy`` must hold): step ``s`` feeds
+        each row its token at its position (the previous step's pick at the next position after
+        the first), running the layers ``step_layers[s]`` on every row with row ``r``'s keys and
+        values at ``pools[l]`` slots ``starts[l, r]`` on. The tokens ``decode`` and ``argmax``
+        would pick, per step and row; it stops after a step in which a row picked one of ``eos``."""
+        R = len(tokens)
+        pos = torch.tensor(list(positions), dtype=torch.long)
+        self._rope_lookup(pos + len(step_layers), torch.float32)  # grows the tables to the last position
+        cos, sin = self._rope_tables[torch.float32][2:]
+        head = self.lm_head
+        out = self._stack.greedy(torch.tensor(list(tokens), dtype=torch.long), pos, [list(l) for l in step_layers],
+                                 [p[0] for p in pools], [p[1] for p in pools], starts, self.tok_emb.weight.detach(),
+                                 cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1),
+                                 self.norm.weight.detach(), self.norm.eps, head.packed, head.bias,
+                                 head.out_features, head.panel_scales, head.a8, list(eos))
+        assert out.shape[1] == R
+        return out.tolist()
+
     def draft_logits(self, h: torch.Tensor, extra: Sequence[torch.Tensor]) -> torch.Tensor:
         """Logits ``(R, vocab)`` of lossless drafts from final hidden states ``(R, 1, dim)``:
         only the first ``draft_vocab`` token ids (BPE ids follow merge order, so

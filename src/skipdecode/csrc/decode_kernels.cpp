@@ -2647,6 +2647,80 @@ struct LayerStack {
     }
     return h;
   }
+
+  // Greedy decode steps in one call, every row running the same layers at each step (the steady
+  // state of a batch on one skip schedule). Step s: each row's token embedded (a row of emb
+  // [V, D]), at its position (pos, its RoPE rows of cos / sin [P, hd]), through the layers
+  // step_layers[s] (run's loop: every row, slots (starts[l, row], pos + 1) of pools[l]), the final
+  // RMSNorm (norm_w, eps), the LM head (linear's panels: head, head_bias, vocab, head_scale, a8) and
+  // each row's argmax, which the next step feeds at pos + 1. The same calls as a Python step, so the
+  // same tokens; what it saves is the Python between them, which after each step's weight stream
+  // runs on cold caches. Returns the tokens [steps run, R]; it stops after a step in which a row
+  // picked one of eos.
+  torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& positions,
+                       const std::vector<std::vector<int64_t>>& step_layers, const std::vector<torch::Tensor>& kpools,
+                       const std::vector<torch::Tensor>& vpools, const torch::Tensor& starts, const torch::Tensor& emb,
+                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm_w, double eps,
+                       const torch::Tensor& head, const c10::optional<torch::Tensor>& head_bias, int64_t vocab,
+                       const c10::optional<torch::Tensor>& head_scale, int64_t a8, const std::vector<int64_t>& eos) {
+    const int64_t L = static_cast<int64_t>(layers.size()), S = static_cast<int64_t>(step_layers.size());
+    check(tokens.scalar_type() == torch::kLong && tokens.dim() == 1 && positions.sizes() == tokens.sizes() &&
+          positions.scalar_type() == torch::kLong, "greedy takes tokens and positions as [R] int64");
+    const int64_t R = tokens.size(0);
+    check(R >= 1, "greedy needs at least one row");
+    check(static_cast<int64_t>(kpools.size()) == L && static_cast<int64_t>(vpools.size()) == L,
+          "greedy takes every layer's key and value pool");
+    check(starts.scalar_type() == torch::kLong && starts.dim() == 2 && starts.size(0) == L && starts.size(1) == R,
+          "starts must be [layers, R] int64");
+    check(emb.scalar_type() == torch::kFloat && emb.dim() == 2 && emb.is_contiguous(), "emb must be [V, D] float32");
+    check(cos.scalar_type() == torch::kFloat && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+          sin.is_contiguous(), "cos and sin must be contiguous [positions, head_dim] float32");
+    const int64_t V = emb.size(0), D = emb.size(1), P = cos.size(0), hd = cos.size(1);
+    const auto st = starts.contiguous();
+    const int64_t* sa = st.data_ptr<int64_t>();
+    std::vector<int64_t> tok(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + R);
+    std::vector<int64_t> pos(positions.data_ptr<int64_t>(), positions.data_ptr<int64_t>() + R);
+    std::vector<torch::Tensor> rows(L);  // layer l's (start, length) per row, lengths rewritten each step
+    for (int64_t l = 0; l < L; ++l) {
+      rows[l] = torch::empty({R, 2}, torch::kLong);
+      for (int64_t r = 0; r < R; ++r) rows[l].data_ptr<int64_t>()[2 * r] = sa[l * R + r];
+    }
+    auto out = torch::empty({S, R}, torch::kLong);
+    int64_t* oa = out.data_ptr<int64_t>();
+    int64_t done = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      auto x = torch::empty({R, 1, D}), c = torch::empty({R, 1, 1, hd}), sn = torch::empty({R, 1, 1, hd});
+      for (int64_t r = 0; r < R; ++r) {
+        check(tok[r] >= 0 && tok[r] < V, "a token id outside the embedding");
+        check(pos[r] >= 0 && pos[r] < P, "a position outside the RoPE tables");
+        std::copy_n(emb.data_ptr<float>() + tok[r] * D, D, x.data_ptr<float>() + r * D);
+        std::copy_n(cos.data_ptr<float>() + pos[r] * hd, hd, c.data_ptr<float>() + r * hd);
+        std::copy_n(sin.data_ptr<float>() + pos[r] * hd, hd, sn.data_ptr<float>() + r * hd);
+      }
+      const auto& ids = step_layers[s];
+      std::vector<torch::Tensor> kp, vp, rw;
+      for (int64_t l : ids) {
+        check(l >= 0 && l < L, "layer index outside the stack");
+        for (int64_t r = 0; r < R; ++r) rows[l].data_ptr<int64_t>()[2 * r + 1] = pos[r] + 1;
+        kp.push_back(kpools[l]);
+        vp.push_back(vpools[l]);
+        rw.push_back(rows[l]);
+      }
+      const auto h = run(x, ids, std::vector<int64_t>(ids.size(), R), kp, vp, rw, c, sn);
+      const auto logits = linear(rms_norm(h, norm_w, eps), head, head_bias, vocab, head_scale, a8);
+      const auto pick = argmax_rows(logits.view({R, vocab}));
+      bool stop = false;
+      for (int64_t r = 0; r < R; ++r) {
+        tok[r] = pick.data_ptr<int64_t>()[r];
+        oa[s * R + r] = tok[r];
+        pos[r] += 1;
+        stop = stop || std::find(eos.begin(), eos.end(), tok[r]) != eos.end();
+      }
+      done = s + 1;
+      if (stop) break;
+    }
+    return out.narrow(0, 0, done);
+  }
 };
 
 // ---- The machine's fp32 multiply-add rate in the form set_isa chose: the roof of the
@@ -2775,5 +2849,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &LayerStack::run, "x through the given layers, each on its leading rows, pool and slots",
            py::arg("x"), py::arg("ids"), py::arg("counts"), py::arg("kpools"), py::arg("vpools"), py::arg("rows"),
            py::arg("cos"), py::arg("sin"))
+      .def("greedy", &LayerStack::greedy, "greedy decode steps, every row on the same layers, in one call",
+           py::arg("tokens"), py::arg("positions"), py::arg("step_layers"), py::arg("kpools"), py::arg("vpools"),
+           py::arg("starts"), py::arg("emb"), py::arg("cos"), py::arg("sin"), py::arg("norm_w"), py::arg("eps"),
+           py::arg("head"), py::arg("head_bias"), py::arg("vocab"), py::arg("head_scale"), py::arg("a8"),
+           py::arg("eos"))
       .def("__len__", [](const LayerStack& s) { return s.layers.size(); });
 }

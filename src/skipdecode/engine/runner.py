@@ -78,6 +78,17 @@ class ModelRunner:
         with dispatch.single_row_forms() if plan.verify else nullcontext():
             return self.model.decode(tokens, positions, layer_rows, self._pools, drafts)
 
+    @torch.inference_mode()
+    def greedy_burst(self, rows: Sequence[RequestState], layers: Sequence[Sequence[int]],
+                     eos: Sequence[int]) -> list[list[int]]:
+        """Greedy decode steps of these rows in the model's native loop (``Transformer.greedy_steps``):
+        step ``s`` runs ``layers[s]`` on every row, each row feeding its last token at its next
+        position, then the token picked the step before. The picks per step and row; it stops
+        after a step in which a row picked one of ``eos``."""
+        starts = torch.tensor([st.reservation.starts for st in rows], dtype=torch.long).T
+        return self.model.greedy_steps([st.token_ids[-1] for st in rows], [st.prompt_len + st.fed_index for st in rows],
+                                       layers, self._pools, starts, eos)
+
     def _slot_table(self, reservations: list, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every layer's ``(R, 2)`` view of the slot table for rows with these reservations at
         these positions. The starts are rebuilt only when the rows' reservations change (the

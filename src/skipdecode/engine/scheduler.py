@@ -200,6 +200,25 @@ class Scheduler:
                                            [tuple(range(self.num_layers))] * n + kinds)
         return plan
 
+    def burst(self, plan: StepPlan, steps: int) -> list[tuple[int, list[int]]]:
+        """The decode steps from ``plan`` on (at most ``steps``) that a steady batch can run as a
+        burst: each step's one budget and the layers every row runs (``_layer_rows`` of the
+        budgets the rows' schedules give, as ``schedule`` would plan them). It ends before a
+        step whose rows would run different layers. ``plan`` must be decode rows only, under the
+        per_row policy, of requests whose budgets follow their schedules alone."""
+        rows, L = plan.decode, self.num_layers
+        kinds = [_kind(st.request.schedule) for st in rows]
+        out = []
+        for s in range(steps):
+            budgets = plan.budgets if s == 0 else [st.request.schedule.budget(st.fed_index + s) for st in rows]
+            if len(set(budgets)) != 1:
+                break
+            layers = self._layer_rows(budgets, kinds)
+            if any(idx is not None or n not in (0, len(rows)) for n, idx in layers):
+                break
+            out.append((budgets[0], [l for l in range(L) if layers[l][0]]))
+        return out
+
     def _layer_rows(self, budgets: list[int], kinds: list[tuple[int, ...]]) -> list[tuple[int, list[int] | None]]:
         """Per layer, how many rows run it and which: a leading block (rows are ordered by
         budget) when every partial-depth row shares one layer family, else their indices.
