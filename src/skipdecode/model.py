@@ -789,7 +789,6 @@ class Transformer(nn.Module):
         the first), running the layers ``step_layers[s]`` on every row with row ``r``'s keys and
         values at ``pools[l]`` slots ``starts[l, r]`` on. The tokens ``decode`` and ``argmax``
         would pick, per step and row; it stops after a step in which a row picked one of ``eos``."""
-        R = len(tokens)
         pos = torch.tensor(list(positions), dtype=torch.long)
         self._rope_lookup(pos + len(step_layers), torch.float32)  # grows the tables to the last position
         cos, sin = self._rope_tables[torch.float32][2:]
@@ -799,7 +798,6 @@ class Transformer(nn.Module):
                                  cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1),
                                  self.norm.weight.detach(), self.norm.eps, head.packed, head.bias,
                                  head.out_features, head.panel_scales, head.a8, list(eos))
-        assert out.shape[1] == R
         return out.tolist()
 
     def draft_logits(self, h: torch.Tensor, extra: Sequence[torch.Tensor]) -> torch.Tensor:
