@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import subprocess
@@ -18,8 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(Exception):
+    """Something other than HTTP answered on the server's port."""
+
+
 class Server:
-    def __init__(self, model_dir: Path, *args: str, timeout: float = 120.0):
+    def __init__(self, model_dir: Path, *args: str, timeout: float = 120.0, tries: int = 3):
+        # the port is free when chosen, but a process the server starts (Ray's own services bind
+        # ports the OS picks) may take it before the server listens: then start again on another
+        for _ in range(tries):
+            if self._start(model_dir, args, timeout):
+                return
+            out = self.output()
+            self.stop()
+        raise RuntimeError(f"in {tries} tries, something other than the server answered on its port: {out}")
+
+    def _start(self, model_dir: Path, args: tuple[str, ...], timeout: float) -> bool:
+        """Launch on a free port and wait until healthy: True, or False when the port was taken."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -32,8 +48,11 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
-            if self.health() == 200:
-                return
+            try:
+                if self.health() == 200:
+                    return True
+            except PortTaken:
+                return False
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout} s: {self.output()}")
@@ -44,6 +63,8 @@ class Server:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code
+        except http.client.HTTPException as e:  # not an HTTP reply: another program holds the port
+            raise PortTaken(str(e)) from None
         except OSError:
             return None
 

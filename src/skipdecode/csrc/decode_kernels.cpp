@@ -2656,7 +2656,7 @@ struct LayerStack {
   // each row's argmax, which the next step feeds at pos + 1. The same calls as a Python step, so the
   // same tokens; what it saves is the Python between them, which after each step's weight stream
   // runs on cold caches. Returns the tokens [steps run, R]; it stops after a step in which a row
-  // picked one of eos.
+  // picked one of eos. Bound without the GIL (a burst holds the CPU for many steps; ATen needs no GIL).
   torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& positions,
                        const std::vector<std::vector<int64_t>>& step_layers, const std::vector<torch::Tensor>& kpools,
                        const std::vector<torch::Tensor>& vpools, const torch::Tensor& starts, const torch::Tensor& emb,
@@ -2678,8 +2678,9 @@ struct LayerStack {
     const int64_t V = emb.size(0), D = emb.size(1), P = cos.size(0), hd = cos.size(1);
     const auto st = starts.contiguous();
     const int64_t* sa = st.data_ptr<int64_t>();
-    std::vector<int64_t> tok(tokens.data_ptr<int64_t>(), tokens.data_ptr<int64_t>() + R);
-    std::vector<int64_t> pos(positions.data_ptr<int64_t>(), positions.data_ptr<int64_t>() + R);
+    const auto tc = tokens.contiguous(), pc = positions.contiguous();
+    std::vector<int64_t> tok(tc.data_ptr<int64_t>(), tc.data_ptr<int64_t>() + R);
+    std::vector<int64_t> pos(pc.data_ptr<int64_t>(), pc.data_ptr<int64_t>() + R);
     std::vector<torch::Tensor> rows(L);  // layer l's (start, length) per row, lengths rewritten each step
     for (int64_t l = 0; l < L; ++l) {
       rows[l] = torch::empty({R, 2}, torch::kLong);
@@ -2853,6 +2854,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("tokens"), py::arg("positions"), py::arg("step_layers"), py::arg("kpools"), py::arg("vpools"),
            py::arg("starts"), py::arg("emb"), py::arg("cos"), py::arg("sin"), py::arg("norm_w"), py::arg("eps"),
            py::arg("head"), py::arg("head_bias"), py::arg("vocab"), py::arg("head_scale"), py::arg("a8"),
-           py::arg("eos"))
+           py::arg("eos"), py::call_guard<py::gil_scoped_release>())
       .def("__len__", [](const LayerStack& s) { return s.layers.size(); });
 }
