@@ -7,6 +7,7 @@ byte-level tokenizer and a chat template keeps it fast."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import os
@@ -485,5 +486,25 @@ def test_max_model_len_chat_template_and_the_startup_and_stats_lines(chat_model_
         log = s.output()
         assert "skipdecode: serving" in log and "loaded in" in log and "KV pool" in log
         assert "tok/s" in log and "decode layers run" in log
+    finally:
+        s.stop()
+
+
+def test_a_server_with_native_bursts_answers_as_generate_does(chat_model_dir, llm):
+    """`serve --decode-burst 8`: greedy completions, streamed or not, several at once, give the
+    text generate gives (whose bursts give one Python step's tokens), each token streamed once."""
+    s = Server(chat_model_dir, "--api-key", KEY, "--served-model-name", NAME, "--decode-burst", "8")
+    try:
+        c = client(s)
+        prompts = ["Describe a pub by the river.", "Name a colour.", "Write about a cafe."]
+        for sp in (1, 3):
+            want = [llm.generate(p, speedup=sp, max_new_tokens=20, chat=False)[0].text for p in prompts]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(lambda p: c.completions.create(model=NAME, prompt=p, max_tokens=20, temperature=0,
+                                                                   extra_body={"speedup": sp}), prompts))
+            assert [r.choices[0].text for r in got] == want
+            streamed = c.completions.create(model=NAME, prompt=prompts[0], max_tokens=20, temperature=0, stream=True,
+                                            extra_body={"speedup": sp})
+            assert "".join(ch.choices[0].text for ch in streamed) == want[0]
     finally:
         s.stop()

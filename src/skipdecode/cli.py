@@ -246,7 +246,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len, chat_template=a.chat_template, stats_interval=a.stats_interval,
         max_body_bytes=a.max_body_bytes,
         engine=EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_tokens, max_prefill_tokens=a.max_prefill_tokens,
-                            policy=a.policy))
+                            policy=a.policy, decode_burst=a.decode_burst))
     if a.max_queue < 0:
         raise EngineError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.default_speedup is not None and a.default_speedup < 1:
@@ -578,6 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-tokens", type=POSITIVE, default=8192, help="KV pool slots per layer")
     v.add_argument("--max-prefill-tokens", type=POSITIVE, default=256, help="prompt tokens per engine step")
     v.add_argument("--policy", choices=["per_row", "shared"], default="per_row")
+    v.add_argument("--decode-burst", type=POSITIVE, default=1,
+                   help="decode steps a steady greedy batch may run in one native call (1: each step in Python); "
+                        "more is faster, but a request arriving meanwhile waits for the burst's end and "
+                        "streamed text comes a burst at a time")
     v.add_argument("--default-speedup", type=SPEEDUP, default=None,
                    help="for requests that give neither speedup nor schedule (default: full depth)")
     v.add_argument("--default-max-tokens", type=POSITIVE, default=256,
