@@ -770,15 +770,14 @@ class Transformer(nn.Module):
         """Whether ``greedy_steps`` can run ``rows`` rows: a Llama-family model whose layers are
         one ``LayerStack`` fused at that row count, with the final norm and LM head on the same
         compiled kernels, so the native loop makes the calls a Python step makes."""
-        head, norm, k = self.lm_head, self.norm, self._stack_kernels
-        return (self._stack is not None and hasattr(self._stack, "greedy") and self.cfg.pos == "rope"
+        head, norm, k, L = self.lm_head, self.norm, self._stack_kernels, len(self.layers)
+        every = [LayerRows(None, None)] * L  # every layer on every row: what _stack_counts fuses
+        return (self._stack_counts(list(self.layers), every, list(range(L)), rows) is not None
+                and hasattr(self._stack, "greedy") and self.cfg.pos == "rope"
                 and self.project_in is None and self.project_out is None and self.pos_emb is None
                 and self.tok_emb.weight.dtype == torch.float32
                 and isinstance(norm, RMSNorm) and norm.kernels is k and norm.weight.dtype == torch.float32
-                and isinstance(head, PackedLinear) and head.kernels is k and head.uses_hand(rows)
-                and len(self.layers) == len(self._stack_layers)
-                and all(a is b and a.fused_decode and a.kernels is k for a, b in zip(self.layers, self._stack_layers))
-                and bool(self._stack_plan[dispatch.bucket(rows)]))
+                and isinstance(head, PackedLinear) and head.kernels is k and head.uses_hand(rows))
 
     @torch.inference_mode()
     def greedy_steps(self, tokens: Sequence[int], positions: Sequence[int], step_layers: Sequence[Sequence[int]],
