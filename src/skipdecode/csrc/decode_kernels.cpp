@@ -628,7 +628,8 @@ struct Prefetch {
 // step found both threads spending much of it in libgomp's barrier). Whole indices go to one
 // thread as before (an output is summed by one thread), so no output changes. In panel_loop, for
 // the fp32-activation panels: int8 decode steps at batch 1 1.10x faster on an Intel Xeon, bf16
-// 1.04x, fp32 even (benchmarks/results/kernel-ab-steal-panels.json).
+// 1.04x, fp32 even (benchmarks/results/kernel-ab-steal-panels.json). In linear_stream_f32: 1.03x
+// at 8 rows, 1.02x at 32 and 1.04x at 8 rows and 5x (xeon-amx/kernel-ab-steal-stream.json).
 struct alignas(64) StealRange {
   std::atomic<uint64_t> r;  // begin | end << 32
 };
@@ -864,6 +865,7 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // (benchmarks/results/kernel-ab-fp32-stream-rows12.json).
 // Same FMA chains in the same order whatever the passes: the same bits.
 constexpr int64_t STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4, STREAM_ROWS_AVX512 = 12;
+constexpr int64_t STREAM_STEAL = 2;  // panels a thread takes from its share at a time
 constexpr int64_t PF_STREAM = 16384;  // the AVX2 form's prefetch distance (timed on the AMD EPYC)
 
 // x rows m .. m + r transposed by k with ld (>= r) floats per k: xt[k * ld + i] = x[m + i, k]
@@ -954,8 +956,8 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
   }
 }
 
-// y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads take runs of
-// panels (two at a time in the AVX-512 form, one in the AVX2 form), K in blocks of KC (a block of
+// y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads share the
+// panels as parallel_steal hands them out (two at a time, run as a pair in the AVX-512 form), K in blocks of KC (a block of
 // the panels stays in L1 for every pass), rows in even passes of at most STREAM_ROWS_AVX512 or
 // STREAM_ROWS_AVX2, each pass's rows transposed once (xt) so a k's activations are adjacent.
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
@@ -968,31 +970,32 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
   even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
     transpose_rows(xa + m * K, r, K, ld(r), xt.data() + pass++ * rows * K);
   });
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+  parallel_steal(NP, STREAM_STEAL, [&](const auto& next) {
     thread_local std::vector<float> acc;
     acc.resize(panels * M * NR);
-    for (int64_t p = p0, np; p < p1; p += np) {
-      np = std::min(panels, p1 - p);
-      for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const float* w = wa + (p * K + k0) * NR;
-        int64_t pass = 0;
-        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
-          const float* x = xt.data() + pass++ * rows * K + k0 * ld(r);
-          float* a = acc.data() + m * NR;
-          if (np == 2)
-            stream_rows512<2>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
-          else if (g_avx512)
-            stream_rows512<1>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
-          else
-            stream_rows(r, x, w, kc, a, k0 == 0);
-        });
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t p = p0, np; p < p1; p += np) {
+        np = std::min(panels, p1 - p);
+        for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          const float* w = wa + (p * K + k0) * NR;
+          int64_t pass = 0;
+          even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
+            const float* x = xt.data() + pass++ * rows * K + k0 * ld(r);
+            float* a = acc.data() + m * NR;
+            if (np == 2)
+              stream_rows512<2>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
+            else if (g_avx512)
+              stream_rows512<1>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
+            else
+              stream_rows(r, x, w, kc, a, k0 == 0);
+          });
+        }
+        for (int64_t q = 0; q < np; ++q)
+          store_rows(M, acc.data() + q * M * NR, ya + (p + q) * NR, n, std::min(NR, n - (p + q) * NR), nullptr,
+                     ba ? ba + (p + q) * NR : nullptr, res ? res + (p + q) * NR : nullptr);
       }
-      for (int64_t q = 0; q < np; ++q)
-        store_rows(M, acc.data() + q * M * NR, ya + (p + q) * NR, n, std::min(NR, n - (p + q) * NR), nullptr,
-                   ba ? ba + (p + q) * NR : nullptr, res ? res + (p + q) * NR : nullptr);
-    }
   });
 }
 
