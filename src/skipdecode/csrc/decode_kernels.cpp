@@ -628,8 +628,12 @@ struct Prefetch {
 // step found both threads spending much of it in libgomp's barrier). Whole indices go to one
 // thread as before (an output is summed by one thread), so no output changes. In panel_loop, for
 // the fp32-activation panels: int8 decode steps at batch 1 1.10x faster on an Intel Xeon, bf16
-// 1.04x, fp32 even (benchmarks/results/kernel-ab-steal-panels.json). In linear_stream_f32: 1.03x
-// at 8 rows, 1.02x at 32 and 1.04x at 8 rows and 5x (xeon-amx/kernel-ab-steal-stream.json).
+// 1.04x, fp32 even (benchmarks/results/kernel-ab-steal-panels.json). Every other GEMM form then
+// took its panels (or pairs, or groups of them) the same way: the fp32 stream form 1.03x faster at
+// 8 rows, 1.02x at 32 and 1.04x at 8 rows and 5x (xeon-amx/kernel-ab-steal-stream.json); then the
+// int4 panels, the int8-activation panels, tiles and AMX, the wide form and the fp32 AMX tiles:
+// int4 1.11x at batch 1 and 1.05x at 8 rows, w8a8 1.11x / 1.08x / 1.04x at 1 / 8 / 32 rows, w4a8
+// 1.14x at batch 1, int8 1.04x at 32 rows, fp32 1.05x at 32 rows (xeon-amx/kernel-ab-steal-all.json).
 struct alignas(64) StealRange {
   std::atomic<uint64_t> r;  // begin | end << 32
 };
@@ -683,12 +687,11 @@ void parallel_steal(int64_t n, int64_t chunk, const Worker& worker) {
 
 // The loop every panel GEMM shares: panels split across threads, K in blocks of KC (a weight
 // block stays in L1 while every row block uses it), rows in blocks of mr. body(p, k0, kc, m, r, acc)
-// runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows. With steal,
-// a thread takes its share two panels at a time and one that runs out takes from another's
-// (parallel_steal); without, each thread runs one fixed share.
+// runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows. A thread
+// takes its share two panels at a time and one that runs out takes from another's (parallel_steal).
 template <typename Body>
-void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, bool steal, const Prefetch& pf, const Body& body) {
-  parallel_steal(NP, steal ? 2 : 0, [&](const auto& next) {
+void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Prefetch& pf, const Body& body) {
+  parallel_steal(NP, 2, [&](const auto& next) {
     std::vector<float> acc(((M + mr - 1) / mr) * mr * NR);
     for (int64_t p0, p1; next(p0, p1);)
       for (int64_t p = p0; p < p1; ++p) {
@@ -716,7 +719,7 @@ inline void even_row_blocks(int64_t M, int64_t nrb, const Body& body) {
 template <typename W>
 void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa, const float* ba,
                    int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  panel_loop(M, K, NP, MR, true, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+  panel_loop(M, K, NP, MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
@@ -757,7 +760,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
   std::vector<float> xp, sx;
   prescale_q4(xa, M, K, xp, sx);
   const int64_t ng = K / G4;
-  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, false, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
+  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
                                                        float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
@@ -790,44 +793,45 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
   static_assert(WIDE_ROWS_AVX2 == 4, "wide_block's AVX2 form has kernels for 1-4 rows");
   const int64_t rows = g_avx512 ? WIDE_ROWS_AVX512 : WIDE_ROWS_AVX2;
   const int64_t NG = (NP + WP - 1) / WP, nrb = (M + rows - 1) / rows;
-  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+  parallel_steal(NG, 1, [&](const auto& next) {
     thread_local std::vector<float> acc, buf;
     acc.resize(WP * M * NR);
     const int64_t kb = F32 ? KC : KW;
     if (!F32) buf.resize(WP * KW * NR);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * WP, np = std::min(WP, NP - p0);
-      pf.part(g, NG);
-      for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t kc = std::min(kb, K - k0);
-        const float* w;
-        int64_t ldw;
-        if constexpr (F32) {
-          w = wa + (p0 * K + k0) * NR;
-          ldw = K * NR;
-        } else {
-          for (int64_t j = 0; j < np; ++j) {
-            const int64_t p = p0 + j;
-            const W* wp = Q4 ? wa + (p * K + k0) * (NR / 2) : wa + (p * K + k0) * NR;
-            const uint16_t* sp = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
-            if (g_avx512)
-              widen_block512(wp, sp, kc, buf.data() + j * KW * NR);
-            else
-              widen_block(wp, sp, kc, buf.data() + j * KW * NR);
+    for (int64_t g0, g1; next(g0, g1);)
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * WP, np = std::min(WP, NP - p0);
+        pf.part(g, NG);
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+          const int64_t kc = std::min(kb, K - k0);
+          const float* w;
+          int64_t ldw;
+          if constexpr (F32) {
+            w = wa + (p0 * K + k0) * NR;
+            ldw = K * NR;
+          } else {
+            for (int64_t j = 0; j < np; ++j) {
+              const int64_t p = p0 + j;
+              const W* wp = Q4 ? wa + (p * K + k0) * (NR / 2) : wa + (p * K + k0) * NR;
+              const uint16_t* sp = Q4 ? gs + (p * (K / G4) + k0 / G4) * NR : nullptr;
+              if (g_avx512)
+                widen_block512(wp, sp, kc, buf.data() + j * KW * NR);
+              else
+                widen_block(wp, sp, kc, buf.data() + j * KW * NR);
+            }
+            w = buf.data();
+            ldw = KW * NR;
           }
-          w = buf.data();
-          ldw = KW * NR;
+          even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
+            wide_block(r, np, xa + m * K + k0, K, w, ldw, kc, acc.data() + m * NR, M * NR, k0 == 0);
+          });
         }
-        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
-          wide_block(r, np, xa + m * K + k0, K, w, ldw, kc, acc.data() + m * NR, M * NR, k0 == 0);
-        });
+        for (int64_t j = 0; j < np; ++j) {
+          const int64_t p = p0 + j;
+          store_rows(M, acc.data() + j * M * NR, ya + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
+                     ba ? ba + p * NR : nullptr, res ? res + p * NR : nullptr);
+        }
       }
-      for (int64_t j = 0; j < np; ++j) {
-        const int64_t p = p0 + j;
-        store_rows(M, acc.data() + j * M * NR, ya + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
-                   ba ? ba + p * NR : nullptr, res ? res + p * NR : nullptr);
-      }
-    }
   });
 }
 
@@ -1306,35 +1310,36 @@ void linear_tiles_a8(const QuantX& qx, int64_t M, const void* wa, int64_t K, int
   const int64_t nb = qx.nb, NT = (NP + 1) / 2, nrb = (M + RT - 1) / RT, ldxi = 4 * M;
   const int64_t ldw = Q4 ? K * NR / 2 : K * NR, ldg = (K / G4) * NR;
   const uint8_t* w8 = static_cast<const uint8_t*>(wa);
-  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+  parallel_steal(NT, 1, [&](const auto& next) {
     thread_local std::vector<float> acc;
     acc.resize(2 * M * NR);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p0 = 2 * t, np = std::min<int64_t>(2, NP - p0);
-      pf.part(t, NT);
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        const uint8_t* w = w8 + p0 * ldw + k0 * (Q4 ? NR / 2 : NR);
-        const uint16_t* g = Q4 ? gs + p0 * ldg + (k0 / G4) * NR : nullptr;
-        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
-          const int8_t* x = xi.data() + k0 * M + 4 * m;
-          const int8_t* xl = A16 ? xli.data() + k0 * M + 4 * m : nullptr;
-          const float* xs = qx.s.data() + m * nb + k0 / QB;
-          const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
-          if (np == 2)
-            tile_rows_a8<2, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
-                                     k0 == 0);
-          else
-            tile_rows_a8<1, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
-                                     k0 == 0);
-        });
+    for (int64_t t0, t1; next(t0, t1);)
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p0 = 2 * t, np = std::min<int64_t>(2, NP - p0);
+        pf.part(t, NT);
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          const uint8_t* w = w8 + p0 * ldw + k0 * (Q4 ? NR / 2 : NR);
+          const uint16_t* g = Q4 ? gs + p0 * ldg + (k0 / G4) * NR : nullptr;
+          even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
+            const int8_t* x = xi.data() + k0 * M + 4 * m;
+            const int8_t* xl = A16 ? xli.data() + k0 * M + 4 * m : nullptr;
+            const float* xs = qx.s.data() + m * nb + k0 / QB;
+            const int32_t* xsum = qx.sum.data() + m * nb + k0 / QB;
+            if (np == 2)
+              tile_rows_a8<2, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
+                                       k0 == 0);
+            else
+              tile_rows_a8<1, Q4, A16>(r, x, xl, ldxi, xs, xsum, nb, w, ldw, g, ldg, kc, acc.data() + m * NR, M * NR,
+                                       k0 == 0);
+          });
+        }
+        for (int64_t j = 0; j < np; ++j) {
+          const int64_t p = p0 + j;
+          store_rows(M, acc.data() + j * M * NR, ya + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
+                     ba ? ba + p * NR : nullptr, res ? res + p * NR : nullptr);
+        }
       }
-      for (int64_t j = 0; j < np; ++j) {
-        const int64_t p = p0 + j;
-        store_rows(M, acc.data() + j * M * NR, ya + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
-                   ba ? ba + p * NR : nullptr, res ? res + p * NR : nullptr);
-      }
-    }
   });
 }
 
@@ -1633,30 +1638,31 @@ void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t
   if (A16) qx.ql.resize(Mp * K, 0);
   qx.s.resize(Mp * nb, 0.f);
   const int64_t wstride = Q4 ? K * (NR / 2) : K * NR;  // bytes of one panel
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+  parallel_steal(NP, 2, [&](const auto& next) {
     amx_configure(h);
     alignas(64) int32_t cbuf[2 * 2 * AMX_ROWS * NR];
     alignas(64) float acc[AMX_ROWS * NR];
     std::vector<__m512i> wb(nb * 8);  // 64-byte aligned B blocks of this panel
-    for (int64_t p = p0; p < p1; ++p) {
-      pf.part(p, NP);
-      const void* w = static_cast<const char*>(wa) + p * wstride;
-      uint8_t* wbp = reinterpret_cast<uint8_t*>(wb.data());
-      for (int64_t b = 0; b < nb; ++b) amx_b_block<Q4>(w, b * QB, wbp + b * 512);
-      const uint16_t* g = Q4 ? gs + p * (K / G4) * NR : nullptr;
-      for (int64_t m = 0; m < M; m += h) {
-        const int64_t mr = std::min(h, M - m);
-        const char* next = m == 0 && p + 1 < p1 ? static_cast<const char*>(w) + wstride : nullptr;
-        switch (h / 4) {
-          case 4: amx_rows<16, Q4, A16>(qx, m, wbp, g, acc, cbuf, next); break;
-          case 3: amx_rows<12, Q4, A16>(qx, m, wbp, g, acc, cbuf, next); break;
-          case 2: amx_rows<8, Q4, A16>(qx, m, wbp, g, acc, cbuf, next); break;
-          default: amx_rows<4, Q4, A16>(qx, m, wbp, g, acc, cbuf, next);
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t p = p0; p < p1; ++p) {
+        pf.part(p, NP);
+        const void* w = static_cast<const char*>(wa) + p * wstride;
+        uint8_t* wbp = reinterpret_cast<uint8_t*>(wb.data());
+        for (int64_t b = 0; b < nb; ++b) amx_b_block<Q4>(w, b * QB, wbp + b * 512);
+        const uint16_t* g = Q4 ? gs + p * (K / G4) * NR : nullptr;
+        for (int64_t m = 0; m < M; m += h) {
+          const int64_t mr = std::min(h, M - m);
+          const char* ahead = m == 0 && p + 1 < p1 ? static_cast<const char*>(w) + wstride : nullptr;
+          switch (h / 4) {
+            case 4: amx_rows<16, Q4, A16>(qx, m, wbp, g, acc, cbuf, ahead); break;
+            case 3: amx_rows<12, Q4, A16>(qx, m, wbp, g, acc, cbuf, ahead); break;
+            case 2: amx_rows<8, Q4, A16>(qx, m, wbp, g, acc, cbuf, ahead); break;
+            default: amx_rows<4, Q4, A16>(qx, m, wbp, g, acc, cbuf, ahead);
+          }
+          store_rows(mr, acc, ya + m * n + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
+                     ba ? ba + p * NR : nullptr, res ? res + m * n + p * NR : nullptr);
         }
-        store_rows(mr, acc, ya + m * n + p * NR, n, std::min(NR, n - p * NR), sa ? sa + p * NR : nullptr,
-                   ba ? ba + p * NR : nullptr, res ? res + m * n + p * NR : nullptr);
       }
-    }
     amx_release();
   });
 }
@@ -1908,7 +1914,7 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
   const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = (M + nrb - 1) / nrb, Mp = nrb * h;
   const int64_t wstride = Q4 ? K * (NR / 2) : K * NR, gstride = (K / G4) * NR;
   const int64_t NPP = (NP + 1) / 2;
-  at::parallel_for(0, NPP, 1, [&](int64_t p0, int64_t p1) {
+  parallel_steal(NPP, 1, [&](const auto& next) {
     // Each thread splits x into limbs of its own: written where it reads them, where one copy made
     // before the threads start kept the others waiting and went to their caches line by line.
     thread_local std::vector<uint16_t> limbs;
@@ -1917,22 +1923,23 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
     split_rows_bf16(xa, M, Mp, K, limbs.data());
     amxb_configure(h);
     alignas(64) float acc[2 * 2 * AMX_ROWS * NR];  // two panels x two row blocks, as linear_panels_amx keeps its sums
-    for (int64_t pp = p0; pp < p1; ++pp) {
-      const int64_t p = 2 * pp, np = std::min<int64_t>(2, NP - p);
-      for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
-      for (int64_t g = 0; g < nrb; g += 2) {
-        const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
-        const uint16_t* g4 = Q4 ? gs + p * gstride : nullptr;
-        if (Q4 && gb * h <= 8)  // 16 registers hold the int4 sums of two panels
-          amxb_rows<W, Q4 ? 8 : 0>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
-        else
-          amxb_rows(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
-        for (int64_t q = 0; q < np; ++q)
-          store_rows(rows, acc + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
-                     std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
-                     ba ? ba + (p + q) * NR : nullptr, res ? res + m0 * n + (p + q) * NR : nullptr);
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t pp = p0; pp < p1; ++pp) {
+        const int64_t p = 2 * pp, np = std::min<int64_t>(2, NP - p);
+        for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
+        for (int64_t g = 0; g < nrb; g += 2) {
+          const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
+          const uint16_t* g4 = Q4 ? gs + p * gstride : nullptr;
+          if (Q4 && gb * h <= 8)  // 16 registers hold the int4 sums of two panels
+            amxb_rows<W, Q4 ? 8 : 0>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
+          else
+            amxb_rows(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
+          for (int64_t q = 0; q < np; ++q)
+            store_rows(rows, acc + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
+                       std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
+                       ba ? ba + (p + q) * NR : nullptr, res ? res + m0 * n + (p + q) * NR : nullptr);
+        }
       }
-    }
     amx_release();
   });
 }
@@ -1963,7 +1970,7 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
   // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
-  panel_loop(M, K, NP, A16 ? 8 : 12, false, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+  panel_loop(M, K, NP, A16 ? 8 : 12, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
