@@ -869,7 +869,9 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // (benchmarks/results/kernel-ab-fp32-stream-rows12.json). A single pass of up to 9 rows then runs
 // three panels (27 sums, 3 weights and a broadcast of 32 registers): each broadcast feeds three
 // FMAs and a thread streams three panels at once; steps 1.08x faster at 8 rows, 1.15x at 8 rows and
-// 3x, 1.14x at 4 rows (benchmarks/results/xeon-amx/kernel-ab-stream-three-panels.json).
+// 3x, 1.14x at 4 rows (benchmarks/results/xeon-amx/kernel-ab-stream-three-panels.json). Up to 6
+// rows four panels (24 sums, 4 weights, a broadcast): 1.05x faster than three at 4 rows, 1.07x at 6
+// (benchmarks/results/xeon-amx/kernel-ab-stream-four-panels.json).
 // Same FMA chains in the same order whatever the passes or panels: the same bits.
 constexpr int64_t STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4, STREAM_ROWS_AVX512 = 12;
 constexpr int64_t STREAM_STEAL = 2;  // panels a thread takes from its share at a time
@@ -964,21 +966,21 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 }
 
 // y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads share the
-// panels as parallel_steal hands them out (the AVX-512 form runs them three at a time up to 9
-// rows, in pairs from 10), K in blocks of KC (a block of
+// panels as parallel_steal hands them out (the AVX-512 form runs them four at a time up to 6
+// rows, three up to 9, in pairs from 10), K in blocks of KC (a block of
 // the panels stays in L1 for every pass), rows in even passes of at most STREAM_ROWS_AVX512 or
 // STREAM_ROWS_AVX2, each pass's rows transposed once (xt) so a k's activations are adjacent.
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
   const int64_t rows = g_avx512 ? STREAM_ROWS_AVX512 : STREAM_ROWS_AVX2, nrb = (M + rows - 1) / rows;
-  const int64_t panels = g_avx512 ? (M <= 9 ? 3 : 2) : 1;
+  const int64_t panels = g_avx512 ? (M <= 6 ? 4 : M <= 9 ? 3 : 2) : 1;
   const auto ld = [&](int64_t r) { return g_avx512 ? r : STREAM_ROWS_AVX2; };  // floats per k of a pass's xt
   std::vector<float> xt(nrb * rows * K);  // pass b's rows at xt + b * rows * K
   int64_t pass = 0;
   even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
     transpose_rows(xa + m * K, r, K, ld(r), xt.data() + pass++ * rows * K);
   });
-  parallel_steal(NP, panels == 3 ? 3 : STREAM_STEAL, [&](const auto& next) {
+  parallel_steal(NP, panels > 2 ? panels : STREAM_STEAL, [&](const auto& next) {
     thread_local std::vector<float> acc;
     acc.resize(panels * M * NR);
     for (int64_t p0, p1; next(p0, p1);)
@@ -992,7 +994,9 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
           even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
             const float* x = xt.data() + pass++ * rows * K + k0 * ld(r);
             float* a = acc.data() + m * NR;
-            if (np == 3)
+            if (np == 4)
+              stream_rows512<4>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
+            else if (np == 3)
               stream_rows512<3>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
             else if (np == 2)
               stream_rows512<2>(r, x, w, K * NR, kc, a, M * NR, k0 == 0);
