@@ -450,14 +450,14 @@ def test_batched_panels_give_each_row_the_same_bits_whatever_its_batch_mates_and
 
 
 @needs_kernels
-@pytest.mark.parametrize("n", [40, 56])
+@pytest.mark.parametrize("n", [40, 56, 72])
 def test_fp32_panels_give_each_row_the_same_bits_from_two_rows_on_either_isa(k, n):
     """fp32 panels from 2 rows run the wide form, and from 4 rows the stream form (activations
-    transposed; AVX-512: passes of up to 12 rows, two panels a pass; AVX2: passes of up to 4, one
-    panel): every form is one FMA chain per output over k in order, so each row count from 2 to
-    17, and 33, gives every row the bits it gets in a call of 40 rows, on AVX2 and (where the CPU
-    has it) AVX-512 alike, with a ragged last panel (3 panels: a pair and a single one; 4: the
-    ragged one in a pair) and K over three blocks."""
+    transposed; AVX-512: passes of up to 12 rows, four panels a pass up to 6 rows, three up to 9,
+    two from 10; AVX2: passes of up to 4, one panel): every form is one FMA chain per output over
+    k in order, so each row count from 2 to 17, and 33, gives every row the bits it gets in a call
+    of 40 rows, on AVX2 and (where the CPU has it) AVX-512 alike, with a ragged last panel (3, 4
+    and 5 panels: runs of one to four panels, the ragged one among them) and K over three blocks."""
     g = _gen(37)
     kdim = 600
     w = torch.randn(n, kdim, generator=g)
