@@ -874,7 +874,10 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
 // (benchmarks/results/xeon-amx/kernel-ab-stream-four-panels.json).
 // Same FMA chains in the same order whatever the passes or panels: the same bits.
 constexpr int64_t STREAM_MIN_F32 = 4, STREAM_ROWS_AVX2 = 4, STREAM_ROWS_AVX512 = 12;
-constexpr int64_t STREAM_STEAL = 2;  // panels a thread takes from its share at a time
+constexpr int64_t STREAM_FOUR_ROWS = 6, STREAM_THREE_ROWS = 9;  // most rows of a four- / three-panel pass
+static_assert(4 * STREAM_FOUR_ROWS + 4 + 1 <= 32 && 3 * STREAM_THREE_ROWS + 3 + 1 <= 32 &&
+              STREAM_THREE_ROWS <= STREAM_ROWS_AVX512, "a pass's sums, weights and broadcast in 32 registers, one pass");
+constexpr int64_t STREAM_STEAL = 2;  // panels a thread takes from its share at a time (at least a pass's)
 constexpr int64_t PF_STREAM = 16384;  // the AVX2 form's prefetch distance (timed on the AMD EPYC)
 
 // x rows m .. m + r transposed by k with ld (>= r) floats per k: xt[k * ld + i] = x[m + i, k]
@@ -966,21 +969,22 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 }
 
 // y[M, N] = x @ W^T (+ bias) (+ res) on fp32 panels, M >= STREAM_MIN_F32: threads share the
-// panels as parallel_steal hands them out (the AVX-512 form runs them four at a time up to 6
-// rows, three up to 9, in pairs from 10), K in blocks of KC (a block of
-// the panels stays in L1 for every pass), rows in even passes of at most STREAM_ROWS_AVX512 or
-// STREAM_ROWS_AVX2, each pass's rows transposed once (xt) so a k's activations are adjacent.
+// panels as parallel_steal hands them out (the AVX-512 form runs them four at a time up to
+// STREAM_FOUR_ROWS rows, three up to STREAM_THREE_ROWS, in pairs above), K in blocks of KC (a
+// block of the panels stays in L1 for every pass), rows in even passes of at most
+// STREAM_ROWS_AVX512 or STREAM_ROWS_AVX2, each pass's rows transposed once (xt) so a k's
+// activations are adjacent.
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
                        int64_t n, float* ya, const float* res, const Prefetch& pf) {
   const int64_t rows = g_avx512 ? STREAM_ROWS_AVX512 : STREAM_ROWS_AVX2, nrb = (M + rows - 1) / rows;
-  const int64_t panels = g_avx512 ? (M <= 6 ? 4 : M <= 9 ? 3 : 2) : 1;
+  const int64_t panels = !g_avx512 ? 1 : M <= STREAM_FOUR_ROWS ? 4 : M <= STREAM_THREE_ROWS ? 3 : 2;
   const auto ld = [&](int64_t r) { return g_avx512 ? r : STREAM_ROWS_AVX2; };  // floats per k of a pass's xt
   std::vector<float> xt(nrb * rows * K);  // pass b's rows at xt + b * rows * K
   int64_t pass = 0;
   even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
     transpose_rows(xa + m * K, r, K, ld(r), xt.data() + pass++ * rows * K);
   });
-  parallel_steal(NP, panels > 2 ? panels : STREAM_STEAL, [&](const auto& next) {
+  parallel_steal(NP, std::max(panels, STREAM_STEAL), [&](const auto& next) {
     thread_local std::vector<float> acc;
     acc.resize(panels * M * NR);
     for (int64_t p0, p1; next(p0, p1);)
