@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .config import DTYPE_HELP, WEIGHT_DTYPES
+from .config import DTYPE_HELP, KV_DTYPE_HELP, KV_DTYPE_NAMES, WEIGHT_DTYPES
 from .errors import SkipDecodeError
 from .schedule import parse_speedups
 from .validation import NON_NEGATIVE, POSITIVE, SEED, SPEEDUP, VAL_GROUPS, adaptive_arg, float_arg, int_arg, int_list
@@ -82,7 +82,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise EngineError(f"{flag} applies to --lossless generation only: add --lossless or drop it")
     if a.requests:
         reqs = read_requests(a.requests, a.max_new_tokens)
-        llm = LLM.load(a.model, dtype=a.dtype)
+        llm = LLM.load(a.model, dtype=a.dtype, kv_dtype=a.kv_dtype)
         cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_slots, policy=a.policy)
         for r, o in enumerate(llm.replay(reqs, cfg)):
             if not a.trace:
@@ -96,7 +96,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 print(f"[{r}: steps {o['arrived_step']}-{o['finished_step']}, {o['new_tokens']} tokens, "
                       f"decode-layer speedup {o['decode_layer_speedup']:.2f}x, {o['finish_reason']}] {o['text']}")
         return 0
-    llm = LLM.load(a.model, dtype=a.dtype)
+    llm = LLM.load(a.model, dtype=a.dtype, kv_dtype=a.kv_dtype)
     stream = a.stream and not a.json and len(a.prompt) == 1
 
     def on_text(_row: int, delta: str) -> None:
@@ -146,6 +146,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.kv_dtype is not None and not a.llamacpp:
+        raise SkipDecodeError("--kv-dtype applies to --llamacpp only: add --llamacpp or drop it")
     if a.dtype_parity:
         from .bench.dtype_parity import run_dtype_parity
 
@@ -178,7 +180,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_llamacpp_bench(model=a.model, quick=a.quick, out_dir=a.out_dir, batch_sizes=a.batch_sizes,
                            speedups=a.speedups, new_tokens=a.new_tokens, dtypes=a.dtype, venv=a.llamacpp_venv,
-                           build=a.llamacpp_build)
+                           build=a.llamacpp_build, kv_dtype=a.kv_dtype)
         return 0
     if a.ray:
         from .bench.ray import run_ray_bench
@@ -246,7 +248,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len, chat_template=a.chat_template, stats_interval=a.stats_interval,
         max_body_bytes=a.max_body_bytes,
         engine=EngineConfig(max_num_seqs=a.max_num_seqs, kv_slots=a.kv_tokens, max_prefill_tokens=a.max_prefill_tokens,
-                            policy=a.policy, decode_burst=a.decode_burst))
+                            policy=a.policy, decode_burst=a.decode_burst, kv_dtype=a.kv_dtype))
     if a.max_queue < 0:
         raise EngineError(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.default_speedup is not None and a.default_speedup < 1:
@@ -501,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompt, no chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES, help=DTYPE_HELP)
+    g.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_NAMES, help=KV_DTYPE_HELP)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.add_argument("--trace", action="store_true", help="with --json: token ids and active layers per token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
@@ -556,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="against llama.cpp (F32, Q8_0, Q4_0 GGUFs of the same weights) at batch 1, 8 and 32, with "
                         "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32, "
                         "int8, int4, w8a8, w4a8, w8a16 and w4a16); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
+    b.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_NAMES,
+                   help="with --llamacpp: skipdecode's KV cache dtype (default float32; llama.cpp keeps its own, F16)")
     b.add_argument("--llamacpp-venv", default=".venv-llamacpp",
                    help="the virtualenv `make llamacpp-venv` builds (--llamacpp, and a peer in --serve)")
     b.add_argument("--llamacpp-build", default="auto", choices=["auto", "build", "build-avx2", "build-noamx"],
@@ -596,6 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between activity lines in the log (0: none)")
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $SKIPDECODE_API_KEY)")
     v.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES, help=DTYPE_HELP)
+    v.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_NAMES, help=KV_DTYPE_HELP)
     v.add_argument("--grace", type=float_arg(0), default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

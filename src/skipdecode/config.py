@@ -16,6 +16,10 @@ from .errors import SkipDecodeError
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
 DTYPE_HELP = ("weights: float32, bfloat16, int8 (per channel) or int4 (groups of 32) weight-only, or w8a8 / w4a8 "
               "(int8 / int4 weights with int8 activations), or w8a16 / w4a16 (with 15-bit integer activations)")
+# The KV cache's dtypes (engine.kv_cache.KV_DTYPES): keys and values rounded to it when stored.
+KV_DTYPE_NAMES = ("float32", "float16", "bfloat16")
+KV_DTYPE_HELP = ("the KV cache's dtype (default: the model's, float32): float16 or bfloat16 halve the cache and "
+                 "the keys/values each decode step reads, rounding them when stored (llama.cpp's default is float16)")
 
 
 class ModelError(SkipDecodeError):

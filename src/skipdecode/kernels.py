@@ -30,9 +30,10 @@ PANEL = 16  # output columns per packed panel (two AVX registers)
 
 
 def _cpu_has_avx2_fma() -> bool:
+    """AVX2 and FMA (and F16C, which every CPU with AVX2 has: float16 KV pools)."""
     from .dispatch import cpu_features
 
-    return {"avx2", "fma"} <= set(cpu_features()["isa"])
+    return {"avx2", "fma", "f16c"} <= set(cpu_features()["isa"])
 
 
 def _put_ninja_on_path() -> None:
@@ -46,10 +47,10 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-# how the kernel source is compiled (AVX2 + FMA baseline; the AVX-512, VNNI and AMX forms carry their own
+# how the kernel source is compiled (AVX2 + FMA + F16C baseline; the AVX-512, VNNI and AMX forms carry their own
 # targets). No implicit FMA contraction: every fused multiply-add is written out, so an expression
 # rounds the same in each form it is inlined into and the forms stay bitwise equal.
-BUILD_FLAGS = {"extra_cflags": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+BUILD_FLAGS = {"extra_cflags": ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
                "extra_ldflags": ["-fopenmp"]}
 
 
@@ -78,12 +79,12 @@ def load():
     if os.environ.get("SKIPDECODE_KERNELS", "1") == "0":
         return None
     if not _cpu_has_avx2_fma():
-        warnings.warn("skipdecode: this CPU has no AVX2/FMA; using oneDNN for the decode step", stacklevel=2)
+        warnings.warn("skipdecode: this CPU has no AVX2/FMA/F16C; using oneDNN for the decode step", stacklevel=2)
         return None
     from torch.utils.cpp_extension import load as build
 
     _put_ninja_on_path()
-    tag = hashlib.sha1(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:10]
+    tag = hashlib.sha1(_SRC.read_bytes() + torch.__version__.encode() + repr(BUILD_FLAGS).encode()).hexdigest()[:10]
     name = f"skipdecode_kernels_{tag}"
     try:
         from torch.utils.cpp_extension import _get_build_directory

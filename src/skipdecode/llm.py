@@ -21,6 +21,7 @@ import torch
 from .checkpoint import load_model
 from .config import WEIGHT_DTYPES, ModelError
 from .engine import DEFAULT_LOSSLESS_SPEEDUP, Engine, EngineConfig, Request, SamplingParams
+from .engine.kv_cache import KV_DTYPES
 from .errors import SkipDecodeError
 from .generate import GenerationError, Sampling, generate_tokens
 from .tokenization import encode_prompt, has_tokenizer, load_tokenizer
@@ -78,17 +79,23 @@ class LLM:
 
     @classmethod
     def load(cls, model: str | os.PathLike = "default-e2e", dtype: str = "float32", pack: bool = True,
-             use_kernels: bool = True) -> "LLM":
+             use_kernels: bool = True, kv_dtype: str | None = None) -> "LLM":
         """Load weights once. ``pack`` lays linear weights out for fast CPU decoding;
         ``use_kernels=False`` keeps oneDNN instead of the compiled kernels
-        (``skipdecode.kernels``; also ``SKIPDECODE_KERNELS=0``)."""
+        (``skipdecode.kernels``; also ``SKIPDECODE_KERNELS=0``). ``kv_dtype``: the KV
+        cache's dtype for every generation and engine on this model, ``float32``,
+        ``float16`` or ``bfloat16`` (default: the model's dtype); half-width keys and
+        values halve the cache and what each decode step reads from it, rounded when stored."""
         if dtype not in _DTYPES:
             raise ModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ModelError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         net, path = load_model(model, _DTYPES[dtype])
         if dtype in WEIGHT_DTYPES and dtype != "float32" and not pack:
             raise ModelError(f"{dtype} weights exist only packed for inference: drop pack=False or use float32")
         if pack:
             net.pack_for_inference(use_kernels, weights=dtype if dtype != "float16" else None)
+        net.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype is not None else None
         tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         eos = list(net.cfg.eos_token_ids)
         gen_cfg = path / "generation_config.json"

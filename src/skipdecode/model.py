@@ -79,7 +79,8 @@ class PackedLinear(nn.Module):
 
     Reduced-precision weights are weight-only: the layer takes and returns the
     model's fp32 activations (rounded to bf16 for the GEMM's input), so norms,
-    RoPE and attention keep their fp32 kernels and the KV pool stays fp32.
+    RoPE and attention keep their fp32 kernels; the KV pool is fp32 unless
+    ``kv_dtype`` says otherwise.
     On CPUs with AMX-BF16 the compiled panels run ``bfloat16``, ``int8`` and
     ``int4`` calls of 8 rows or more, and ``float32`` of 24 or more, on the tile
     unit, the activations split into bf16 limbs that sum to them exactly: fp32
@@ -369,8 +370,8 @@ class Block(nn.Module):
         H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = self.qkv(x, rope)  # (R, 1, nh, hd)
         last = slots[:, 0] + slots[:, 1] - 1
-        kpool[:, last] = k[:, 0].transpose(0, 1)
-        vpool[:, last] = v[:, 0].transpose(0, 1)
+        kpool[:, last] = k[:, 0].transpose(0, 1).to(kpool.dtype)  # rounded to the pool's dtype
+        vpool[:, last] = v[:, 0].transpose(0, 1).to(vpool.dtype)
         if self.kernels is not None and hd % 8 == 0:  # reads each row's own slots, nothing else
             return self.wo(self.kernels.decode_attention(q[:, 0].contiguous(), kpool, vpool, None, hd ** -0.5, slots))
         # plain torch: gather each row's slots into a padded block, mask the tail
@@ -378,7 +379,7 @@ class Block(nn.Module):
         offs = torch.arange(n)
         idx = (slots[:, :1] + offs).clamp(max=kpool.shape[1] - 1)  # (R, n)
         valid = offs[None, :] < slots[:, 1:]
-        kg, vg = kpool[:, idx].transpose(0, 1), vpool[:, idx].transpose(0, 1)  # (R, K, n, hd)
+        kg, vg = (p[:, idx].transpose(0, 1).to(q.dtype) for p in (kpool, vpool))  # (R, K, n, hd)
         y = F.scaled_dot_product_attention(q[:, 0].reshape(R, K, H // K, hd), kg, vg,
                                            attn_mask=valid[:, None, None, :])
         return self.wo(y.reshape(R, 1, H * hd))
@@ -476,6 +477,9 @@ class Transformer(nn.Module):
             self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.kernels = None  # the compiled CPU kernels, set by pack_for_inference
         self.weights = "float32"  # the packed weights' dtype, set by pack_for_inference
+        # the KV pool's dtype for an engine on this model (None: the parameters'); float16 or
+        # bfloat16 halve the keys/values a decode step reads and stores (see kv_cache.KV_DTYPES)
+        self.kv_dtype: torch.dtype | None = None
         self.draft_vocab = cfg.vocab_size  # token ids a lossless draft scores (see draft_logits)
         self.draft_head: nn.Module | None = None
         self._head_rows: torch.Tensor | None = None  # the dense LM head, for a draft's extra token ids

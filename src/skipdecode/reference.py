@@ -15,6 +15,9 @@ exact because the active positions at any layer are a prefix of the sequence
 so no active position ever reads an inactive position's keys. ``naive_logits``
 asserts that prefix property rather than assuming it.
 
+With ``kv_dtype`` (a half-width KV cache) every attention reads keys and
+values rounded to that dtype, as a cache of it stores them.
+
 Greedy only, and slow on purpose: it shares nothing with ``generate.py``;
 from the model it uses only the embedding, the blocks and the head, never
 the cache or the skipping forward pass.
@@ -30,11 +33,23 @@ from .model import Transformer
 from .schedule import SkipSchedule, layers_for_budget
 
 
+class _Rounded:
+    """A block's keys/values rounded to ``dtype`` and back, as a KV cache of that dtype holds them
+    (the ``cache.update`` interface of ``Block.forward``, over the whole sequence at once)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
+
+
 @torch.inference_mode()
 def naive_logits(model: Transformer, tokens: Sequence[int], n_prompt: int, schedule: SkipSchedule,
-                 budgets: Sequence[int] | None = None) -> torch.Tensor:
+                 budgets: Sequence[int] | None = None, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits ``(T, vocab)`` of one sequence whose first ``n_prompt`` tokens are the prompt;
-    ``budgets[i]``: the budget generated token ``i`` ran at (default: the schedule's)."""
+    ``budgets[i]``: the budget generated token ``i`` ran at (default: the schedule's);
+    ``kv_dtype``: attention reads keys and values rounded to it (default: unrounded)."""
     T = len(tokens)
     L = model.cfg.n_layers
     ids = torch.tensor([list(tokens)])  # (1, T)
@@ -52,18 +67,18 @@ def naive_logits(model: Transformer, tokens: Sequence[int], n_prompt: int, sched
     x, rope = model.embed(ids, positions)
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]  # (1, 1, T, T)
     for l in range(L):
-        y = model.layers[l](x, rope, causal, None, l, 0)
+        y = model.layers[l](x, rope, causal, _Rounded(kv_dtype) if kv_dtype is not None else None, l, 0)
         x = torch.where(active[l][None, :, None], y, x)
     return model.head(x)[0]
 
 
 def naive_generate(model: Transformer, prompt: Sequence[int], schedule: SkipSchedule, max_new_tokens: int,
-                   eos_token_ids: Sequence[int] = ()) -> list[int]:
+                   eos_token_ids: Sequence[int] = (), kv_dtype: torch.dtype | None = None) -> list[int]:
     """Greedy generation for one prompt, recomputing everything for every token."""
     seq = list(prompt)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        nxt = int(naive_logits(model, seq, len(prompt), schedule)[-1].argmax())
+        nxt = int(naive_logits(model, seq, len(prompt), schedule, kv_dtype=kv_dtype)[-1].argmax())
         new.append(nxt)
         seq.append(nxt)
         if nxt in eos_token_ids:

@@ -198,10 +198,12 @@ def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch
 def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
                        batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
                        new_tokens: int | None = None, repeats: int | None = None, dtypes: list[str] | None = None,
-                       venv: str | os.PathLike = LLAMACPP_VENV, build: str = "auto") -> dict:
+                       venv: str | os.PathLike = LLAMACPP_VENV, build: str = "auto", kv_dtype: str | None = None
+                       ) -> dict:
     """Writes ``llamacpp.{json,md}``, or ``llamacpp-avx2.*`` where skipdecode's kernels run their
     AVX2 form (an AVX2-only CPU, or ``SKIPDECODE_ISA=avx2``; pair it with ``build="build-avx2"``
-    to time llama.cpp's AVX2 code as well)."""
+    to time llama.cpp's AVX2 code as well). ``kv_dtype``: skipdecode's KV cache (``LLM.load``;
+    default float32); llama.cpp keeps its default cache type (F16), which the report records."""
     build = auto_build() if build == "auto" else build
     paths = llamacpp_paths(venv, build)
     batch_sizes = batch_sizes or ([1, 8] if quick else [1, 8, 32])
@@ -214,7 +216,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     R = repeats or (1 if quick else 5)
     threads = torch.get_num_threads()
     log = lambda m: print(m, flush=True)  # noqa: E731
-    llms = {dt: LLM.load(model, dtype=dt) for dt in dtypes}
+    llms = {dt: LLM.load(model, dtype=dt, kv_dtype=kv_dtype) for dt in dtypes}
     base = next(iter(llms.values()))
     L = base.num_layers
     log(f"llama.cpp GGUFs ({', '.join(types)}) from {base.path} ...")
@@ -235,7 +237,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             for s in schedules.values():
                 o.run(s, 4)
     peer_tokens: dict[str, list[int]] = {}
-    version = system_info = None
+    version = system_info = peer_kv = None
     from tqdm import tqdm
 
     for _ in tqdm(range(R), desc="skipdecode bench --llamacpp", unit="round", file=sys.stderr, disable=None,
@@ -250,7 +252,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             fma = max(fma, kernels.fma_peak_gflops(k, repeats=3))
         for t, path in ggufs.items():
             got = run_llamacpp(paths, path, ids_all, batch_sizes, N, 1, threads)
-            version, system_info = got["version"], got.get("system_info")
+            version, system_info, peer_kv = got["version"], got.get("system_info"), got.get("kv_types")
             peer_tokens[t] = got["tokens"]
             for B, tt in got["batches"].items():
                 t_dec.setdefault((f"llama.cpp-{t}", int(B), 1.0), []).extend(tt["t_decode"])
@@ -292,6 +294,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 "kernels_isa": kernels_isa, "a8_form": kernels.a8_form() if kernels_isa else None,
                 "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
                 "llamacpp_build": build, "llamacpp_system_info": system_info,
+                "kv_dtype": kv_dtype or "float32",
+                "llamacpp_kv_types": [{0: "F32", 1: "F16"}.get(t, f"ggml type {t}") for t in peer_kv] if peer_kv else None,
                 "quick": quick, "threads": threads, "dtypes": dtypes, "llamacpp_types": types, "greedy": True,
                 "eos_ignored": True, "prompt_tokens": [len(x) for x in encoded], "llama_cpp_python": version,
                 "ggufs": {t: {"file": str(p), "bytes": p.stat().st_size} for t, p in ggufs.items()},
@@ -317,7 +321,8 @@ def render_markdown(report: dict) -> str:
     avx2 = s.get("kernels_isa") == "avx2"
     command = ("make bench-llamacpp-avx2" if avx2 and build == "build-avx2" else
                f"skipdecode bench --llamacpp{' --quick' if s['quick'] else ''}"
-               + (f" --llamacpp-build {build}" if build != "build" else ""))
+               + (f" --llamacpp-build {build}" if build != "build" else "")
+               + (f" --kv-dtype {s['kv_dtype']}" if s.get("kv_dtype", "float32") != "float32" else ""))
     llama_isa = {"build-avx2": "with AVX2/FMA only (`make llamacpp-avx2`)",
                  "build-noamx": "with AVX-512 but without its AMX path (`make llamacpp-noamx`)"}.get(
         build, "with its native ISA (`make llamacpp-venv`)")
@@ -340,6 +345,9 @@ def render_markdown(report: dict) -> str:
         f"- Greedy, {s['new_tokens']} new tokens (EOS ignored), row i of a batch gets E2E prompt i mod "
         f"{len(s['prompt_tokens'])} ({s['prompt_tokens']} tokens with the chat template); llama.cpp decodes "
         "the batch as one `llama_batch` per step, one sequence id per row",
+        f"- KV cache: skipdecode {s.get('kv_dtype', 'float32')}"
+        + (f", llama.cpp {' / '.join(s['llamacpp_kv_types'])} (keys / values, its default)"
+           if s.get("llamacpp_kv_types") else ""),
         f"- Decode time: the N-1 steps after prefill and the first token, timed directly in each engine, best of "
         f"{s['repeats']} interleaved rounds.",
         f"- Greedy tokens of prompt 0 at batch 1 equal to skipdecode {s['greedy_tokens_agreeing_with_skipdecode']['reference']}"

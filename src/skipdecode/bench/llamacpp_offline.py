@@ -88,7 +88,8 @@ def main() -> None:
     L.llama_free(ctx)
     L.llama_model_free(model)
     print(json.dumps({"batches": res, "tokens": tokens, "version": L.__version__,
-                      "system_info": L.llama_print_system_info().decode().strip()}))
+                      "system_info": L.llama_print_system_info().decode().strip(),
+                      "kv_types": [int(cp.type_k), int(cp.type_v)]}))  # ggml types: 0 F32, 1 F16
 
 
 if __name__ == "__main__":

@@ -2158,20 +2158,37 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// A KV pool's element: float32, or float16 / bfloat16 (half the bytes a decode step reads per
+// key and value; llama.cpp's default cache type is float16). Keys and values are rounded to
+// nearest-even when stored, exactly as torch's .to(dtype), and widened to fp32 when read, so
+// attention runs in fp32 on the stored values whatever the pool's type.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::Half* p) {  // F16C
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 load8(const c10::BFloat16* p) {  // a bf16 is the high half of its fp32
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+template <typename KT>
+static inline void store_kv(const float* src, int64_t n, KT* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = KT(src[i]);  // c10's conversions round to nearest-even
+}
+
 // Weighted values of one (row, KV head) task for NG query heads and NV * 8
 // dimensions: NG x NV accumulators stay in registers while every value row is
 // read once. p holds the softmax weights (row stride sp); masked keys are not read.
-template <int NG, int NV>
-static inline void weighted_values(const float* p, int64_t sp, const float* v, int64_t vs, int64_t S, const bool* mb,
+template <int NG, int NV, typename KT>
+static inline void weighted_values(const float* p, int64_t sp, const KT* v, int64_t vs, int64_t S, const bool* mb,
                                    float* o, int64_t hd) {
   __m256 acc[NG][NV];
   for (int i = 0; i < NG; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     if (mb && !mb[s]) continue;
-    const float* vr = v + s * vs;
+    const KT* vr = v + s * vs;
     __m256 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = _mm256_loadu_ps(vr + 8 * j);
+    for (int j = 0; j < NV; ++j) vv[j] = load8(vr + 8 * j);
     for (int i = 0; i < NG; ++i) {
       const __m256 w = _mm256_set1_ps(p[i * sp + s]);
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(w, vv[j], acc[i][j]);
@@ -2181,8 +2198,8 @@ static inline void weighted_values(const float* p, int64_t sp, const float* v, i
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + i * hd + 8 * j, acc[i][j]);
 }
 
-template <int NV>
-static inline void weighted_values_ng(int ng, const float* p, int64_t sp, const float* v, int64_t vs, int64_t S,
+template <int NV, typename KT>
+static inline void weighted_values_ng(int ng, const float* p, int64_t sp, const KT* v, int64_t vs, int64_t S,
                                       const bool* mb, float* o, int64_t hd) {
   switch (ng) {
     case 3: return weighted_values<3, NV>(p, sp, v, vs, S, mb, o, hd);
@@ -2194,15 +2211,16 @@ static inline void weighted_values_ng(int ng, const float* p, int64_t sp, const 
 // Where one row's keys and values are: row b, KV head g reads len(b) slots
 // from kptr(b, g) on, `ks`/`vs` elements apart. Either a dense cache
 // [B, KVH, S, hd] (every row S slots from slot 0) or a KV pool [KVH, slots, hd]
-// where row b owns slots start(b) .. start(b) + len(b) - 1.
+// where row b owns slots start(b) .. start(b) + len(b) - 1. KT: the element (load8's types).
+template <typename KT>
 struct KVView {
-  const float* k;
-  const float* v;
+  const KT* k;
+  const KT* v;
   int64_t kb, kg, ks, vb, vg, vs;  // strides in elements: row, head, slot
   const int64_t* rows = nullptr;   // pool: [B, 2] (start, len); dense: null
   int64_t S = 0;                   // dense: slots per row
-  const float* kptr(int64_t b, int64_t g) const { return k + (rows ? rows[2 * b] * ks : b * kb) + g * kg; }
-  const float* vptr(int64_t b, int64_t g) const { return v + (rows ? rows[2 * b] * vs : b * vb) + g * vg; }
+  const KT* kptr(int64_t b, int64_t g) const { return k + (rows ? rows[2 * b] * ks : b * kb) + g * kg; }
+  const KT* vptr(int64_t b, int64_t g) const { return v + (rows ? rows[2 * b] * vs : b * vb) + g * vg; }
   int64_t len(int64_t b) const { return rows ? rows[2 * b + 1] : S; }
 };
 
@@ -2210,9 +2228,11 @@ struct KVView {
 // (dense views only; true = attend) or null. Each task (row, KV head) reads
 // its keys and values once for all H / KVH query heads of its group, and skips
 // the keys/values of masked (padding) slots. out: [B, H * hd].
-void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, const KVView& kv, const bool* ma,
+template <typename KT>
+void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, const KVView<KT>& kv, const bool* ma,
             float sc, float* oa) {
   const int64_t G = H / KVH;
+  constexpr int64_t LINE = 64 / sizeof(KT);  // elements of a 64-byte cache line
   int64_t maxS = 1;
   for (int64_t b = 0; b < B; ++b) maxS = std::max(maxS, kv.len(b));
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -2223,8 +2243,8 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / KVH, g = t % KVH;
       const int64_t S = kv.len(b), Sp = (S + 7) / 8 * 8;
-      const float* kb = kv.kptr(b, g);
-      const float* vb = kv.vptr(b, g);
+      const KT* kb = kv.kptr(b, g);
+      const KT* vb = kv.vptr(b, g);
       const float* qg = qa + (b * H + g * G) * hd;
       const bool* mb = ma ? ma + b * kv.S : nullptr;
       int64_t s = 0;
@@ -2234,9 +2254,9 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
             for (int j = 0; j < 4; ++j) p[i * Sp + s + j] = ninf;
           continue;
         }
-        const float* k0 = kb + s * ks;
+        const KT* k0 = kb + s * ks;
         for (int64_t j = 0; j < 4; ++j)  // streams too short for the hardware prefetcher alone
-          for (int64_t d = 0; d < hd; d += 16) {  // (row by row: no integer division per line)
+          for (int64_t d = 0; d < hd; d += LINE) {  // (row by row: no integer division per line)
             if (s + 12 <= S) _mm_prefetch(reinterpret_cast<const char*>(k0 + (8 + j) * ks + d), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(vb + (s + j) * vs + d), _MM_HINT_T1);
           }
@@ -2245,10 +2265,10 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t d = 0; d < hd; d += 8) {
             const __m256 qd = _mm256_loadu_ps(qi + d);
-            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + ks + d), a1);
-            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * ks + d), a2);
-            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * ks + d), a3);
+            a0 = _mm256_fmadd_ps(qd, load8(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qd, load8(k0 + ks + d), a1);
+            a2 = _mm256_fmadd_ps(qd, load8(k0 + 2 * ks + d), a2);
+            a3 = _mm256_fmadd_ps(qd, load8(k0 + 3 * ks + d), a3);
           }
           const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
           const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -2256,11 +2276,11 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
         }
       }
       for (; s < S; ++s) {
-        const float* kr = kb + s * ks;
+        const KT* kr = kb + s * ks;
         for (int64_t i = 0; i < G; ++i) {
           const float* qi = qg + i * hd;
           __m256 acc = _mm256_setzero_ps();
-          for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), _mm256_loadu_ps(kr + d), acc);
+          for (int64_t d = 0; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + d), load8(kr + d), acc);
           p[i * Sp + s] = hsum(acc) * sc;
         }
       }
@@ -2310,45 +2330,63 @@ void check_rows(const torch::Tensor& rows, int64_t B, int64_t slots) {
     check(r[2 * b] >= 0 && r[2 * b + 1] >= 1 && r[2 * b] + r[2 * b + 1] <= slots, "row slots outside the KV pool");
 }
 
+// f(KT{}) with KT the C++ element of a KV pool's dtype (float32, float16 or bfloat16).
+template <typename F>
+void with_kv_type(const torch::Tensor& t, F&& f) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: return f(float{});
+    case torch::kHalf: return f(c10::Half{});
+    case torch::kBFloat16: return f(c10::BFloat16{});
+    default: check(false, "keys and values must be float32, float16 or bfloat16");
+  }
+}
+
 // Attention of one query position per row. Dense: keys/values [B, KVH, S, hd]
 // (any strides along B, KVH and S, e.g. a view of a cache) with an optional
 // mask [B, S]. Pool (`rows` given): keys/values [KVH, slots, hd] and row b
 // attends to its own slots rows[b, 0] .. rows[b, 0] + rows[b, 1] - 1, so no
-// row reads another's slots nor any empty one. Returns [B, 1, H * hd], the
+// row reads another's slots nor any empty one. Queries float32; keys and values
+// float32, float16 or bfloat16 (both the same). Returns [B, 1, H * hd], the
 // layout the output projection takes.
 torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask_in, double scale,
                                const c10::optional<torch::Tensor>& rows) {
-  check(q_in.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-        v.scalar_type() == torch::kFloat, "float32 only");
+  check(q_in.scalar_type() == torch::kFloat, "queries must be float32");
+  check(k.scalar_type() == v.scalar_type(), "keys and values must have one dtype");
   const auto q = q_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), hd = q.size(2);
   check(k.sizes() == v.sizes() && k.size(-1) == hd, "attention shapes");
   check(hd % 8 == 0 && k.stride(-1) == 1 && v.stride(-1) == 1, "head_dim must be a multiple of 8, rows contiguous");
-  KVView kv{k.data_ptr<float>(), v.data_ptr<float>()};
   torch::Tensor mask;
   int64_t KVH;
+  int64_t kb = 0, kg, ks, vb = 0, vg, vs, S = 0;
+  const int64_t* ra = nullptr;
   if (rows.has_value()) {
     check(k.dim() == 3 && !mask_in.has_value(), "a KV pool is [kv_heads, slots, head_dim], with no mask");
     KVH = k.size(0);
     check_rows(*rows, B, k.size(1));
-    kv.kg = k.stride(0), kv.ks = k.stride(1), kv.vg = v.stride(0), kv.vs = v.stride(1);
-    kv.rows = rows->data_ptr<int64_t>();
+    kg = k.stride(0), ks = k.stride(1), vg = v.stride(0), vs = v.stride(1);
+    ra = rows->data_ptr<int64_t>();
   } else {
     check(k.dim() == 4 && k.size(0) == B, "a dense cache is [B, kv_heads, slots, head_dim]");
     KVH = k.size(1);
-    kv.kb = k.stride(0), kv.kg = k.stride(1), kv.ks = k.stride(2);
-    kv.vb = v.stride(0), kv.vg = v.stride(1), kv.vs = v.stride(2);
-    kv.S = k.size(2);
+    kb = k.stride(0), kg = k.stride(1), ks = k.stride(2);
+    vb = v.stride(0), vg = v.stride(1), vs = v.stride(2);
+    S = k.size(2);
     if (mask_in.has_value()) {
       mask = mask_in->reshape({B, -1}).to(torch::kBool).contiguous();
-      check(mask.size(1) == kv.S, "mask length");
+      check(mask.size(1) == S, "mask length");
     }
   }
   check(H % KVH == 0, "query heads must be a multiple of KV heads");
   auto out = torch::empty({B, 1, H * hd}, q.options());
-  attend(q.data_ptr<float>(), B, H, hd, KVH, kv, mask.defined() ? mask.data_ptr<bool>() : nullptr, float(scale),
-         out.data_ptr<float>());
+  with_kv_type(k, [&](auto tag) {
+    using KT = decltype(tag);
+    const KVView<KT> kv{static_cast<const KT*>(k.data_ptr()), static_cast<const KT*>(v.data_ptr()), kb, kg, ks, vb,
+                        vg, vs, ra, S};
+    attend(q.data_ptr<float>(), B, H, hd, KVH, kv, mask.defined() ? mask.data_ptr<bool>() : nullptr, float(scale),
+           out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -2494,9 +2532,10 @@ struct FusedLayer {
 };
 
 void check_pool(const torch::Tensor& kpool, const torch::Tensor& vpool) {
+  const auto t = kpool.scalar_type();
   check(kpool.dim() == 3 && kpool.sizes() == vpool.sizes() && kpool.is_contiguous() && vpool.is_contiguous() &&
-        kpool.scalar_type() == torch::kFloat && vpool.scalar_type() == torch::kFloat,
-        "KV pool must be contiguous float32 [kv_heads, slots, head_dim]");
+        vpool.scalar_type() == t && (t == torch::kFloat || t == torch::kHalf || t == torch::kBFloat16),
+        "KV pool must be contiguous [kv_heads, slots, head_dim] of float32, float16 or bfloat16 (keys and values alike)");
 }
 
 // The layer's weights against the hidden size D and its pool's KV heads and head size.
@@ -2544,20 +2583,26 @@ void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Ten
   rms_norm_rows(ha, B, D, anw, float(L.eps), nrm);
   linear_into(nrm, B, L.wqkv, L.sqkv, bp(L.bqkv), nqkv, qkv, nullptr, a8);
   rope_rows(qkv, B, 1, H + KVH, hd, NQ * hd, NQ * hd, hd, cc, sc);
-  float* ka = kpool.data_ptr<float>();
-  float* va = vpool.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {  // this position's keys and values into each row's last slot
-    const int64_t slot = ra[2 * b] + ra[2 * b + 1] - 1;
+  for (int64_t b = 0; b < B; ++b) {  // the queries contiguous for attend
     const float* qrow = qkv + b * NQ * hd;
     std::copy(qrow, qrow + H * hd, qs + b * H * hd);
-    for (int64_t g = 0; g < KVH; ++g) {
-      const float* src = qrow + (H + g) * hd;
-      std::copy(src, src + hd, ka + (g * slots + slot) * hd);
-      std::copy(src + KVH * hd, src + (KVH + 1) * hd, va + (g * slots + slot) * hd);
-    }
   }
-  KVView kv{ka, va, 0, slots * hd, hd, 0, slots * hd, hd, ra};
-  attend(qs, B, H, hd, KVH, kv, nullptr, float(L.scale), att);
+  with_kv_type(kpool, [&](auto tag) {
+    using KT = decltype(tag);
+    KT* ka = static_cast<KT*>(kpool.data_ptr());
+    KT* va = static_cast<KT*>(vpool.data_ptr());
+    for (int64_t b = 0; b < B; ++b) {  // this position's keys and values into each row's last slot
+      const int64_t slot = ra[2 * b] + ra[2 * b + 1] - 1;
+      const float* qrow = qkv + b * NQ * hd;
+      for (int64_t g = 0; g < KVH; ++g) {
+        const float* src = qrow + (H + g) * hd;
+        store_kv(src, hd, ka + (g * slots + slot) * hd);
+        store_kv(src + KVH * hd, hd, va + (g * slots + slot) * hd);
+      }
+    }
+    const KVView<KT> kv{ka, va, 0, slots * hd, hd, 0, slots * hd, hd, ra};
+    attend(qs, B, H, hd, KVH, kv, nullptr, float(L.scale), att);
+  });
   linear_into(att, B, L.wo, L.so, bp(L.bo), D, ha, ha, a8);
   rms_norm_rows(ha, B, D, mnw, float(L.eps), nrm);
   Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
@@ -2565,15 +2610,17 @@ void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Ten
     const auto& nk = *next_k;
     const auto& nv = *next_v;
     check(nk.dim() == 3 && nk.sizes() == nv.sizes() && nk.size(0) == KVH && nk.size(2) == hd && nk.is_contiguous() &&
-          nv.is_contiguous() && nk.scalar_type() == torch::kFloat && nv.scalar_type() == torch::kFloat,
+          nv.is_contiguous() && nk.scalar_type() == kpool.scalar_type() && nv.scalar_type() == kpool.scalar_type(),
           "next layer's KV pool");
-    const int64_t nslots = nk.size(1);
+    const int64_t nslots = nk.size(1), es = nk.element_size();
+    const char* nkp = static_cast<const char*>(nk.data_ptr());
+    const char* nvp = static_cast<const char*>(nv.data_ptr());
     for (int64_t b = 0; b < B; ++b) {
       const int64_t st = ra[2 * b], n = std::min(ra[2 * b + 1], nslots - st);
       if (st >= nslots || n <= 0) continue;
       for (int64_t g = 0; g < KVH; ++g) {
-        pf.add(reinterpret_cast<const char*>(nk.data_ptr<float>() + (g * nslots + st) * hd), n * hd * 4);
-        pf.add(reinterpret_cast<const char*>(nv.data_ptr<float>() + (g * nslots + st) * hd), n * hd * 4);
+        pf.add(nkp + (g * nslots + st) * hd * es, n * hd * es);
+        pf.add(nvp + (g * nslots + st) * hd * es, n * hd * es);
       }
     }
   }
@@ -2659,7 +2706,8 @@ struct LayerStack {
       check(ids[i] >= 0 && ids[i] < static_cast<int64_t>(layers.size()), "layer index outside the stack");
       check(counts[i] >= 1 && counts[i] <= B, "a layer's row count must be 1 to the rows of x");
       check_pool(kpools[i], vpools[i]);
-      check(kpools[i].size(2) == kpools[0].size(2), "every layer's pool has the same head size");
+      check(kpools[i].size(2) == kpools[0].size(2) && kpools[i].scalar_type() == kpools[0].scalar_type(),
+            "every layer's pool has the same head size and dtype");
       check_rows(rows[i], counts[i], kpools[i].size(1));
       check_layer(layers[ids[i]], D, kpools[i].size(0), kpools[i].size(2));
     }

@@ -42,7 +42,7 @@ import torch
 from ..model import Transformer
 from ..policies.lookup import MAX_NGRAM, lookup_drafts
 from ..schedule import SkipSchedule
-from .kv_cache import KVPool, layer_needs
+from .kv_cache import KV_DTYPES, KVPool, layer_needs
 from .prefix_cache import PrefixCache
 from .request import (MAX_DRAFT_TOKENS, MAX_LOGPROBS, DraftStats, EngineDeadError, EngineError, Request,
                       RequestOutput, RequestState, SamplingParams, Status, TokenLogprob)
@@ -65,6 +65,9 @@ class EngineConfig(SchedulerConfig):
     # kernels. Outputs then come a burst at a time, and a request arriving meanwhile waits for the
     # burst's end; 1 runs every step in Python.
     decode_burst: int = 1
+    # the KV pool's dtype: "float32", "float16" or "bfloat16" (kv_cache.KV_DTYPES); None: the
+    # model's kv_dtype (LLM.load's), else its parameters' dtype
+    kv_dtype: str | None = None
 
 
 def _lossless_option(name: str, value, lossless: bool):
@@ -87,7 +90,10 @@ class Engine:
         caps = [slots] * L if isinstance(slots, int) else list(slots)
         if len(caps) != L or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
             raise EngineError(f"kv_slots must be an integer >= 1 or {L} of them (one per layer), got {slots!r}")
-        dtype = next(model.parameters()).dtype
+        kvd = self.config.kv_dtype
+        if kvd is not None and kvd not in KV_DTYPES:
+            raise EngineError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the model's), got {kvd!r}")
+        dtype = KV_DTYPES[kvd] if kvd is not None else (model.kv_dtype or next(model.parameters()).dtype)
         self.pool = KVPool(caps, cfg.n_kv_heads, cfg.head_dim, dtype)
         pcb = self.config.prefix_cache_blocks
         if isinstance(pcb, bool) or not isinstance(pcb, int) or pcb < 0:

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import KV_DTYPE_NAMES
 from ..schedule import SkipSchedule
+
+# the dtypes a KV pool may hold. Keys and values are rounded to the pool's dtype when stored
+# (round to nearest even, torch's ``.to``) and attention reads the stored values in the model's
+# dtype: float16 and bfloat16 halve the bytes of a float32 pool and of what each decode step
+# reads from it, at the cost of that rounding (float16 keeps 11 significant bits, bfloat16 8).
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 
 
 def layer_needs(schedule: SkipSchedule, prompt_len: int, max_new_tokens: int) -> list[int]:
@@ -146,4 +153,5 @@ class RequestKV:
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         kp[:, s0 + start:s0 + end] = k[0]
         vp[:, s0 + start:s0 + end] = v[0]
-        return kp[None, :, s0:s0 + end], vp[None, :, s0:s0 + end]
+        # attention reads what the pool holds (rounded to its dtype), in the model's dtype
+        return kp[None, :, s0:s0 + end].to(k.dtype), vp[None, :, s0:s0 + end].to(v.dtype)
