@@ -40,7 +40,7 @@ def layers_ms(model, rows: int, passes: int = 7) -> float:
         for _ in range(passes):
             t = time.perf_counter()
             for i, layer in enumerate(model.layers):
-                layer.decode(x, rope, *pools[i], slots, pools[i + 1] if i + 1 < len(pools) else None)
+                layer.decode(x, rope, *pools[i], slots)
             best = min(best, time.perf_counter() - t)
     return best * 1e3
 

@@ -9,6 +9,7 @@ Run from the repository root, e.g. against the previous commit's kernels:
     git show HEAD~1:src/skipdecode/csrc/decode_kernels.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/kernel_ab.py /tmp/before.cpp benchmarks/results/kernel-ab.json
 Other cases than CASES: --case DTYPE:BATCH:SPEEDUP (repeatable), e.g. --case w8a8:32:1.
+--kv-dtype float16 (or bfloat16): both versions decode on a KV cache of that dtype (LLM.load's kv_dtype).
 SKIPDECODE_ISA=avx2 times both versions in their AVX2 forms (recorded under "kernel_forms").
 --rounds-differ: for a change that rounds differently (both versions within fp32 rounding of the
 exact result), record how many rows decode the same tokens instead of stopping at a difference.
@@ -111,11 +112,16 @@ def use_kernels(net, module) -> None:
 def main() -> None:
     rounds_differ = "--rounds-differ" in sys.argv[1:]
     args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
+    kv_dtype = None
+    if "--kv-dtype" in args:
+        i = args.index("--kv-dtype")
+        kv_dtype = args[i + 1]
+        del args[i:i + 2]
     other_src, out = Path(args[0]), Path(args[1]) if len(args) > 1 else None
     this, other = kernels.load(), build_other(other_src)
     results = []
     for dtype, batch, speedup in cases or CASES:
-        llm = LLM.load("default-e2e", dtype=dtype)
+        llm = LLM.load("default-e2e", dtype=dtype, kv_dtype=kv_dtype)
         net = llm.model
         ids, sched = case_rows(llm, batch, speedup)
         best, same_rows = ab_model(net, use_kernels, {"other": other, "this": this}, ids, sched,
@@ -128,7 +134,8 @@ def main() -> None:
               f"{r['this_over_other_tokens_per_s']:.3f}x", flush=True)
     if out:
         write_report(out, "kernel_ab.py", "versions", results,
-                     kernel_forms={"isa": kernels.isa(), "a8": kernels.a8_form()}, other_source=str(other_src))
+                     kernel_forms={"isa": kernels.isa(), "a8": kernels.a8_form()}, other_source=str(other_src),
+                     kv_dtype=kv_dtype or "float32")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def main() -> None:
     rope = m._rope(torch.tensor([[40]]), torch.float32)
     slots = torch.tensor([[0, 41]])
     with torch.inference_mode():
-        layer = best_us(lambda: b.decode(x, rope, None, None, slots, None), n=20000)
+        layer = best_us(lambda: b.decode(x, rope, None, None, slots), n=20000)
         step = best_us(lambda: seen["runner"].decode(seen["plan"]))
         m._stack = None
         step_per_layer = best_us(lambda: seen["runner"].decode(seen["plan"]))

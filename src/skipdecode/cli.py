@@ -146,12 +146,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    if a.kv_dtype is not None and not a.llamacpp:
-        raise SkipDecodeError("--kv-dtype applies to --llamacpp only: add --llamacpp or drop it")
+    if a.kv_dtype is not None and not (a.llamacpp or a.dtype_parity):
+        raise SkipDecodeError("--kv-dtype applies to --llamacpp and --dtype-parity only: add one or drop it")
     if a.dtype_parity:
         from .bench.dtype_parity import run_dtype_parity
 
-        run_dtype_parity(model=a.model, out_dir=a.out_dir)
+        run_dtype_parity(model=a.model, out_dir=a.out_dir, dtypes=tuple(a.dtype or WEIGHT_DTYPES),
+                         kv_dtype=a.kv_dtype)
         return 0
     if a.lossless:
         from .bench.lossless import run_lossless_bench
@@ -560,7 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "each batch-1 step as a fraction of the measured read bandwidth (default dtypes float32, "
                         "int8, int4, w8a8, w4a8, w8a16 and w4a16); needs `make llamacpp-venv`; writes benchmarks/results/llamacpp.{json,md}")
     b.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_NAMES,
-                   help="with --llamacpp: skipdecode's KV cache dtype (default float32; llama.cpp keeps its own, F16)")
+                   help="with --llamacpp or --dtype-parity: skipdecode's KV cache dtype (default float32; "
+                        "llama.cpp keeps its own, F16)")
     b.add_argument("--llamacpp-venv", default=".venv-llamacpp",
                    help="the virtualenv `make llamacpp-venv` builds (--llamacpp, and a peer in --serve)")
     b.add_argument("--llamacpp-build", default="auto", choices=["auto", "build", "build-avx2", "build-noamx"],

@@ -430,18 +430,13 @@ class Block(nn.Module):
         return self.fused_decode and self.fuse_plan[dispatch.bucket(rows) if bucket is None else bucket]
 
     def decode(self, x: torch.Tensor, rope, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor,
-               next_pool: tuple[torch.Tensor, torch.Tensor] | None = None, bucket: int | None = None
-               ) -> torch.Tensor:
-        """One position per row ``(R, 1, dim)`` over this layer's KV pool.
-        ``next_pool``: the pool of the layer that runs next, which the fused
-        path starts pulling into the CPU caches. ``bucket``: ``dispatch.bucket(R)``
-        when the caller has it (one lookup per step rather than per layer)."""
+               bucket: int | None = None) -> torch.Tensor:
+        """One position per row ``(R, 1, dim)`` over this layer's KV pool. ``bucket``:
+        ``dispatch.bucket(R)`` when the caller has it (one lookup per step rather than per layer)."""
         if self.fuses(x.shape[0], bucket):
             # the same layer as one kernel call on the compiled kernels' panels (tests/test_kernels.py)
             weights, heads, scales = self._fused_args
-            nk, nv = next_pool if next_pool is not None else (None, None)
-            return self.kernels.decode_block(x, *weights, kpool, vpool, slots, rope[0], rope[1], *heads, nk, nv,
-                                             *scales)
+            return self.kernels.decode_block(x, *weights, kpool, vpool, slots, rope[0], rope[1], *heads, *scales)
         return self._residual(x, lambda h: self.attention_pool(h, rope, kpool, vpool, slots))
 
     def _fuse(self) -> None:
@@ -574,7 +569,7 @@ class Transformer(nn.Module):
         def unfused() -> torch.Tensor:
             h = x
             for blk in self.layers:
-                h = blk.decode(h, rope, kpool, vpool, slots, None, b)
+                h = blk.decode(h, rope, kpool, vpool, slots, b)
             return h
 
         try:
@@ -723,20 +718,19 @@ class Transformer(nn.Module):
             x = self._stack.run(x, runs, counts, [pools[l][0] for l in runs], [pools[l][1] for l in runs],
                                 [layer_rows[l].slots for l in runs], rope[0], rope[1])
             runs = []
-        for i, l in enumerate(runs):
+        for l in runs:
             lr = layer_rows[l]
-            nxt = pools[runs[i + 1]] if i + 1 < len(runs) else None
             block = layers[l]
             if lr.rows is None:  # every row
-                x = block.decode(x, rope, *pools[l], lr.slots, nxt, every)
+                x = block.decode(x, rope, *pools[l], lr.slots, every)
             elif isinstance(lr.rows, int):  # a leading block of rows (rows ordered by budget)
                 n = lr.rows
                 r = None if rope is None else (rope[0][:n], rope[1][:n])
-                x = torch.cat([block.decode(x[:n], r, *pools[l], lr.slots, nxt), x[n:]])
+                x = torch.cat([block.decode(x[:n], r, *pools[l], lr.slots), x[n:]])
             else:  # any subset
                 idx = lr.rows
                 r = None if rope is None else (rope[0].index_select(0, idx), rope[1].index_select(0, idx))
-                x = x.index_copy(0, idx, block.decode(x.index_select(0, idx), r, *pools[l], lr.slots, nxt))
+                x = x.index_copy(0, idx, block.decode(x.index_select(0, idx), r, *pools[l], lr.slots))
         rows = [r for r, d in enumerate(drafts or ()) if d is not None]
         if not rows or self.draft_head is None:
             return self.head(x)[:, 0]

@@ -586,38 +586,6 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "skipdecode kernel: ", w
 
 }  // namespace
 
-// Memory another kernel will read soon: byte ranges (a layer's keys and values
-// of every row and KV head). The GEMMs of a decode step are compute bound at
-// batch 8-32 while attention is bound by memory; pulling the next layer's
-// keys/values toward the caches during a GEMM overlaps the two.
-// Up to PF_KV_MAX_BYTES only: a layer's keys/values of 8 rows and more (over 1 MB at ~100
-// positions) asked for this way cost an Intel Xeon more than attention saved (perf put the
-// prefetch loop among a 32-row step's hottest code, beside the weight stream; decode steps at
-// 32 rows 1.09-1.19x faster without them, int8 at 8 rows 1.04x:
-// benchmarks/results/kernel-ab-kv-prefetch-cap.json).
-constexpr int64_t PF_KV_MAX_BYTES = 1 << 20;
-struct Prefetch {
-  std::vector<const char*> base;
-  std::vector<int64_t> first_line;  // prefix sums of lines per range, size ranges + 1
-  void add(const char* p, int64_t bytes) {
-    if (first_line.empty()) first_line.push_back(0);
-    base.push_back(p);
-    first_line.push_back(first_line.back() + (bytes + 63) / 64);
-  }
-  int64_t lines() const { return first_line.empty() ? 0 : first_line.back(); }
-  void part(int64_t i, int64_t parts) const {  // the i-th of `parts` equal shares
-    const int64_t n = lines();
-    if (n == 0) return;
-    int64_t l = n * i / parts;
-    const int64_t end = n * (i + 1) / parts;
-    size_t r = std::upper_bound(first_line.begin(), first_line.end(), l) - first_line.begin() - 1;
-    for (; l < end; ++l) {
-      while (l >= first_line[r + 1]) ++r;
-      _mm_prefetch(base[r] + (l - first_line[r]) * 64, _MM_HINT_T2);
-    }
-  }
-};
-
 // Indices 0 .. n - 1 shared among torch's threads: each thread runs worker(next) once, and
 // next(b, e) hands it a range [b, e) until none is left (false). Each thread starts on its own
 // contiguous share, taken `chunk` at a time from the front; a thread that has run out takes the
@@ -690,12 +658,11 @@ void parallel_steal(int64_t n, int64_t chunk, const Worker& worker) {
 // runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows. A thread
 // takes its share two panels at a time and one that runs out takes from another's (parallel_steal).
 template <typename Body>
-void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Prefetch& pf, const Body& body) {
+void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Body& body) {
   parallel_steal(NP, 2, [&](const auto& next) {
     std::vector<float> acc(((M + mr - 1) / mr) * mr * NR);
     for (int64_t p0, p1; next(p0, p1);)
       for (int64_t p = p0; p < p1; ++p) {
-        pf.part(p, NP);
         for (int64_t k0 = 0; k0 < K; k0 += KC)
           for (int64_t m = 0; m < M; m += mr) body(p, k0, std::min(KC, K - k0), m, std::min(mr, M - m), acc.data() + m * NR);
       }
@@ -718,8 +685,8 @@ inline void even_row_blocks(int64_t M, int64_t nrb, const Body& body) {
 // once, just before it is written).
 template <typename W>
 void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa, const float* ba,
-                   int64_t n, float* ya, const float* res, const Prefetch& pf) {
-  panel_loop(M, K, NP, MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+                   int64_t n, float* ya, const float* res) {
+  panel_loop(M, K, NP, MR, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
@@ -756,11 +723,11 @@ void prescale_q4(const float* x, int64_t M, int64_t K, std::vector<float>& xp, s
 // Intel Xeon (AMX) decode steps ran 1.09x faster at 8 rows, 1.03x at 12, 1.05x at 16 and 1.06x at
 // 8 rows and 3x (benchmarks/results/kernel-ab-int4-two-blocks.json).
 void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
-                      const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+                      const float* ba, int64_t n, float* ya, const float* res) {
   std::vector<float> xp, sx;
   prescale_q4(xa, M, K, xp, sx);
   const int64_t ng = K / G4;
-  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
+  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
                                                        float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
@@ -788,7 +755,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
 // sa: int8 column scales; gs: int4 group scales.
 template <typename W>
 void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
-                 const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+                 const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value, F32 = std::is_same<W, float>::value;
   static_assert(WIDE_ROWS_AVX2 == 4, "wide_block's AVX2 form has kernels for 1-4 rows");
   const int64_t rows = g_avx512 ? WIDE_ROWS_AVX512 : WIDE_ROWS_AVX2;
@@ -801,7 +768,6 @@ void linear_wide(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP,
     for (int64_t g0, g1; next(g0, g1);)
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t p0 = g * WP, np = std::min(WP, NP - p0);
-        pf.part(g, NG);
         for (int64_t k0 = 0; k0 < K; k0 += kb) {
           const int64_t kc = std::min(kb, K - k0);
           const float* w;
@@ -975,7 +941,7 @@ void stream_rows(int64_t r, const float* xt, const float* w, int64_t kc, float* 
 // STREAM_ROWS_AVX512 or STREAM_ROWS_AVX2, each pass's rows transposed once (xt) so a k's
 // activations are adjacent.
 void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, int64_t NP, const float* ba,
-                       int64_t n, float* ya, const float* res, const Prefetch& pf) {
+                       int64_t n, float* ya, const float* res) {
   const int64_t rows = g_avx512 ? STREAM_ROWS_AVX512 : STREAM_ROWS_AVX2, nrb = (M + rows - 1) / rows;
   const int64_t panels = !g_avx512 ? 1 : M <= STREAM_FOUR_ROWS ? 4 : M <= STREAM_THREE_ROWS ? 3 : 2;
   const auto ld = [&](int64_t r) { return g_avx512 ? r : STREAM_ROWS_AVX2; };  // floats per k of a pass's xt
@@ -990,7 +956,6 @@ void linear_stream_f32(const float* xa, int64_t M, const float* wa, int64_t K, i
     for (int64_t p0, p1; next(p0, p1);)
       for (int64_t p = p0, np; p < p1; p += np) {
         np = std::min(panels, p1 - p);
-        for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
           const int64_t kc = std::min(KC, K - k0);
           const float* w = wa + (p * K + k0) * NR;
@@ -1316,7 +1281,7 @@ constexpr int64_t tile_min_rows(bool q4, bool a16) { return q4 ? (a16 ? 4 : 5) :
 // rows in tiles of at most 6 (4) split evenly.
 template <bool Q4, bool A16>
 void linear_tiles_a8(const QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
-                     const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+                     const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res) {
   constexpr int64_t RT = A16 ? 4 : 6;
   std::vector<int8_t> xi, xli;
   interleave_k4(qx.q, M, K, xi);
@@ -1330,7 +1295,6 @@ void linear_tiles_a8(const QuantX& qx, int64_t M, const void* wa, int64_t K, int
     for (int64_t t0, t1; next(t0, t1);)
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t p0 = 2 * t, np = std::min<int64_t>(2, NP - p0);
-        pf.part(t, NT);
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
           const int64_t kc = std::min(KC, K - k0);
           const uint8_t* w = w8 + p0 * ldw + k0 * (Q4 ? NR / 2 : NR);
@@ -1644,8 +1608,7 @@ SD_AMX void amx_rows(const QuantX& qx, int64_t m, const uint8_t* wb, const uint1
 // not 16 with 4 of padding; 20 rows: two of 12).
 template <bool Q4, bool A16>
 void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
-                       const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res,
-                       const Prefetch& pf) {
+                       const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res) {
   const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = ((M + nrb - 1) / nrb + 3) / 4 * 4, Mp = nrb * h;
   const int64_t nb = qx.nb;
   qx.q.resize(Mp * K, 0);  // zero rows: whole tiles load; the padding's sums are not stored
@@ -1659,7 +1622,6 @@ void linear_panels_amx(QuantX& qx, int64_t M, const void* wa, int64_t K, int64_t
     std::vector<__m512i> wb(nb * 8);  // 64-byte aligned B blocks of this panel
     for (int64_t p0, p1; next(p0, p1);)
       for (int64_t p = p0; p < p1; ++p) {
-        pf.part(p, NP);
         const void* w = static_cast<const char*>(wa) + p * wstride;
         uint8_t* wbp = reinterpret_cast<uint8_t*>(wb.data());
         for (int64_t b = 0; b < nb; ++b) amx_b_block<Q4>(w, b * QB, wbp + b * 512);
@@ -1926,7 +1888,7 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
 // (as even as they can be), each group running over all of K with its sums in the tiles.
 template <typename W>
 void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
-                     const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+                     const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
   const int64_t nrb = (M + AMX_ROWS - 1) / AMX_ROWS, h = (M + nrb - 1) / nrb, Mp = nrb * h;
   const int64_t wstride = Q4 ? K * (NR / 2) : K * NR, gstride = (K / G4) * NR;
@@ -1943,7 +1905,6 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
     for (int64_t p0, p1; next(p0, p1);)
       for (int64_t pp = p0; pp < p1; ++pp) {
         const int64_t p = 2 * pp, np = std::min<int64_t>(2, NP - p);
-        for (int64_t q = 0; q < np; ++q) pf.part(p + q, NP);
         for (int64_t g = 0; g < nrb; g += 2) {
           const int64_t gb = std::min<int64_t>(2, nrb - g), m0 = g * h, rows = std::min(gb * h, M - m0);
           const uint16_t* g4 = Q4 ? gs + p * gstride : nullptr;
@@ -1977,17 +1938,17 @@ int64_t amx_bf16_min_rows(at::ScalarType dt) {
 // scales), the activations quantized to int8 first (QuantX; A16: in two limbs).
 template <bool Q4, bool A16>
 void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int64_t NP, const float* sa,
-                      const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res, const Prefetch& pf) {
+                      const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res) {
   QuantX qx;
   quantize_rows(xa, M, K, qx, A16);
   if (g_a8 == A8_AMX && M >= (Q4 || A16 ? AMX_MIN_ROWS : AMX_MIN_ROWS_W8A8))
-    return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
+    return linear_panels_amx<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res);
   if (g_a8 >= A8_VNNI && M >= tile_min_rows(Q4, A16))
-    return linear_tiles_a8<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res, pf);
+    return linear_tiles_a8<Q4, A16>(qx, M, wa, K, NP, sa, gs, ba, n, ya, res);
   const int64_t nb = qx.nb;
   // 12 rows per micro-kernel (12 int32 and 12 fp32 sums of 32 registers): each 4 k of weights is
   // loaded (and int4 decoded) once for up to 12 rows; 8 with two limbs (two int32 sums a row)
-  panel_loop(M, K, NP, A16 ? 8 : 12, pf, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
+  panel_loop(M, K, NP, A16 ? 8 : 12, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const float* sp = sa ? sa + p * NR : nullptr;
@@ -2014,27 +1975,25 @@ void linear_panels_a8(const float* xa, int64_t M, const void* wa, int64_t K, int
 // int8 (kChar, per-column scales) or int4 (kByte, group scales) panels with integer activations.
 template <bool A16>
 void linear_into_a8(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
-                    int64_t K, int64_t NP, const float* ba, int64_t n, float* ya, const float* res,
-                    const Prefetch& pf) {
+                    int64_t K, int64_t NP, const float* ba, int64_t n, float* ya, const float* res) {
   if (packed.scalar_type() == torch::kByte)
     return linear_panels_a8<true, A16>(xa, M, packed.data_ptr<uint8_t>(), K, NP, nullptr,
                                        reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya,
-                                       res, pf);
+                                       res);
   linear_panels_a8<false, A16>(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), nullptr, ba, n, ya,
-                               res, pf);
+                               res);
 }
 
 // a8: how int8 or int4 panels take the activations (linear_panels_a8; K % 32 == 0): A_FP32 as they
 // are (widened weights), A_INT8 quantized to int8, A_TWO_LIMBS to 15 bits in two int8 limbs.
 enum ActForm { A_FP32 = 0, A_INT8 = 1, A_TWO_LIMBS = 2 };
 void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale,
-                 const float* ba, int64_t n, float* ya, const float* res, int64_t a8 = A_FP32,
-                 const Prefetch& pf = Prefetch()) {
+                 const float* ba, int64_t n, float* ya, const float* res, int64_t a8 = A_FP32) {
   const int64_t K = packed.size(1) * (packed.scalar_type() == torch::kByte ? 2 : 1), NP = packed.size(0);
   if (M == 0) return;
   if (a8)  // check_a8: int8 or int4 panels
-    return a8 == A_TWO_LIMBS ? linear_into_a8<true>(xa, M, packed, scale, K, NP, ba, n, ya, res, pf)
-                             : linear_into_a8<false>(xa, M, packed, scale, K, NP, ba, n, ya, res, pf);
+    return a8 == A_TWO_LIMBS ? linear_into_a8<true>(xa, M, packed, scale, K, NP, ba, n, ya, res)
+                             : linear_into_a8<false>(xa, M, packed, scale, K, NP, ba, n, ya, res);
   const auto dt = packed.scalar_type();
   const int64_t amx = amx_bf16_min_rows(dt);
   if (amx && M >= amx && K % AMXB_K == 0) {
@@ -2042,14 +2001,14 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
     switch (dt) {
       case torch::kByte:
         return linear_amx_bf16(xa, M, packed.data_ptr<uint8_t>(), K, NP, sa,
-                               reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
+                               reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res);
       case torch::kBFloat16:
         return linear_amx_bf16(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, sa,
-                               nullptr, ba, n, ya, res, pf);
+                               nullptr, ba, n, ya, res);
       case torch::kFloat:
-        return linear_amx_bf16(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+        return linear_amx_bf16(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res);
       default:  // kChar (amx_bf16_min_rows takes no other dtype)
-        return linear_amx_bf16(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+        return linear_amx_bf16(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res);
     }
   }
   if (M >= (dt == torch::kFloat ? WIDE_MIN_F32 : dt == torch::kByte ? WIDE_MIN_INT4 : WIDE_MIN_INT8)) {
@@ -2057,28 +2016,28 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
     switch (packed.scalar_type()) {
       case torch::kByte:
         return linear_wide(xa, M, packed.data_ptr<uint8_t>(), K, NP, sa,
-                           reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
+                           reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res);
       case torch::kBFloat16:
         return linear_wide(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, sa,
-                           nullptr, ba, n, ya, res, pf);
+                           nullptr, ba, n, ya, res);
       case torch::kChar:
-        return linear_wide(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+        return linear_wide(xa, M, packed.data_ptr<int8_t>(), K, NP, sa, nullptr, ba, n, ya, res);
       default:
         if (M >= STREAM_MIN_F32)
-          return linear_stream_f32(xa, M, packed.data_ptr<float>(), K, NP, ba, n, ya, res, pf);
-        return linear_wide(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res, pf);
+          return linear_stream_f32(xa, M, packed.data_ptr<float>(), K, NP, ba, n, ya, res);
+        return linear_wide(xa, M, packed.data_ptr<float>(), K, NP, sa, nullptr, ba, n, ya, res);
     }
   }
   if (packed.scalar_type() == torch::kByte)
     linear_panels_q4(xa, M, packed.data_ptr<uint8_t>(), K, NP,
-                     reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res, pf);
+                     reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res);
   else if (packed.scalar_type() == torch::kBFloat16)
     linear_panels(xa, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K, NP, nullptr, ba, n,
-                  ya, res, pf);
+                  ya, res);
   else if (packed.scalar_type() == torch::kChar)
-    linear_panels(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), ba, n, ya, res, pf);
+    linear_panels(xa, M, packed.data_ptr<int8_t>(), K, NP, scale->data_ptr<float>(), ba, n, ya, res);
   else
-    linear_panels(xa, M, packed.data_ptr<float>(), K, NP, nullptr, ba, n, ya, res, pf);
+    linear_panels(xa, M, packed.data_ptr<float>(), K, NP, nullptr, ba, n, ya, res);
 }
 
 void check_packed(const torch::Tensor& packed, int64_t k, int64_t n, const c10::optional<torch::Tensor>& bias,
@@ -2556,11 +2515,13 @@ void check_layer(const FusedLayer& L, int64_t D, int64_t KVH, int64_t hd) {
 
 // The layer on the residual stream ha [B, D] in place (checked by the caller): this position's
 // keys and values go to each row's last slot of its pool (rows [B, 2]: start, length); cc / sc
-// are the RoPE tables [B, hd]; next_k / next_v, the next layer's pool, are pulled toward the
-// caches during the largest GEMM.
+// are the RoPE tables [B, hd]. Nothing of the next layer is prefetched here: asking for its
+// keys/values during this layer's gate/up GEMM (as skipdecode did up to 1 MB of them) slowed the
+// GEMM's weight stream by more than attention gained, at every row count timed on an Intel Xeon
+// (int8 decode steps at batch 1 1.18x faster without it, w8a8 1.16x, int4 1.09x, fp32 1.04x; at
+// 2-8 rows 1.04-1.10x: benchmarks/results/xeon-amx/kernel-ab-kv-prefetch-off.json).
 void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Tensor& kpool, torch::Tensor& vpool,
-                const int64_t* ra, const float* cc, const float* sc, const torch::Tensor* next_k,
-                const torch::Tensor* next_v) {
+                const int64_t* ra, const float* cc, const float* sc) {
   const int64_t H = L.H, KVH = kpool.size(0), slots = kpool.size(1), hd = kpool.size(2);
   const int64_t nqkv = (H + 2 * KVH) * hd, I = L.w2.size(1) * (L.w2.scalar_type() == torch::kByte ? 2 : 1);
   const int64_t a8 = L.a8;
@@ -2605,27 +2566,7 @@ void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Ten
   });
   linear_into(att, B, L.wo, L.so, bp(L.bo), D, ha, ha, a8);
   rms_norm_rows(ha, B, D, mnw, float(L.eps), nrm);
-  Prefetch pf;  // the next layer's keys/values of these rows, during the largest GEMM
-  if (next_k && next_v) {
-    const auto& nk = *next_k;
-    const auto& nv = *next_v;
-    check(nk.dim() == 3 && nk.sizes() == nv.sizes() && nk.size(0) == KVH && nk.size(2) == hd && nk.is_contiguous() &&
-          nv.is_contiguous() && nk.scalar_type() == kpool.scalar_type() && nv.scalar_type() == kpool.scalar_type(),
-          "next layer's KV pool");
-    const int64_t nslots = nk.size(1), es = nk.element_size();
-    const char* nkp = static_cast<const char*>(nk.data_ptr());
-    const char* nvp = static_cast<const char*>(nv.data_ptr());
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t st = ra[2 * b], n = std::min(ra[2 * b + 1], nslots - st);
-      if (st >= nslots || n <= 0) continue;
-      for (int64_t g = 0; g < KVH; ++g) {
-        pf.add(nkp + (g * nslots + st) * hd * es, n * hd * es);
-        pf.add(nvp + (g * nslots + st) * hd * es, n * hd * es);
-      }
-    }
-  }
-  if (pf.lines() * 64 > PF_KV_MAX_BYTES) pf = Prefetch();  // see PF_KV_MAX_BYTES
-  linear_into(nrm, B, L.w13, L.s13, bp(L.b13), 2 * I, gu, nullptr, a8, pf);
+  linear_into(nrm, B, L.w13, L.s13, bp(L.b13), 2 * I, gu, nullptr, a8);
   silu_mul_rows(gu, B, I, act);
   linear_into(act, B, L.w2, L.s2, bp(L.b2), D, ha, ha, a8);
 }
@@ -2644,17 +2585,14 @@ torch::Tensor rope_table(const torch::Tensor& t, int64_t B, int64_t hd) {
 // residual adds done by the output GEMMs. x [B, 1, D]; the layer's KV pool is
 // [KVH, slots, hd] and row b owns slots rows[b, 0] .. rows[b, 0] + rows[b, 1] - 1:
 // its new key/value goes to the last of them and attention reads all of them.
-// next_k/next_v: the pool of the layer that runs next, whose slots of these
-// rows are prefetched during the gate/up GEMM. Returns the new hidden state;
-// x is not modified.
+// Returns the new hidden state; x is not modified.
 torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm,
                            double eps, const torch::Tensor& wqkv, const c10::optional<torch::Tensor>& bqkv,
                            const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& w13,
                            const c10::optional<torch::Tensor>& b13, const torch::Tensor& w2,
                            const c10::optional<torch::Tensor>& b2, torch::Tensor kpool, torch::Tensor vpool,
                            const torch::Tensor& rows, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                           double scale, const c10::optional<torch::Tensor>& next_k,
-                           const c10::optional<torch::Tensor>& next_v, const c10::optional<torch::Tensor>& sqkv,
+                           double scale, const c10::optional<torch::Tensor>& sqkv,
                            const c10::optional<torch::Tensor>& so, const c10::optional<torch::Tensor>& s13,
                            const c10::optional<torch::Tensor>& s2, int64_t a8) {
   check_decode_input(x);
@@ -2666,9 +2604,8 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& attn_nor
   check_layer(L, D, KVH, hd);
   auto h = x.contiguous().clone();  // the residual stream, updated in place, and the result
   const auto cc = rope_table(cos, B, hd), sc = rope_table(sin, B, hd);
-  const bool nx = next_k.has_value() && next_v.has_value();
   layer_into(h.data_ptr<float>(), B, D, L, kpool, vpool, rows.data_ptr<int64_t>(), cc.data_ptr<float>(),
-             sc.data_ptr<float>(), nx ? &*next_k : nullptr, nx ? &*next_v : nullptr);
+             sc.data_ptr<float>());
   return h;
 }
 
@@ -2706,8 +2643,7 @@ struct LayerStack {
       check(ids[i] >= 0 && ids[i] < static_cast<int64_t>(layers.size()), "layer index outside the stack");
       check(counts[i] >= 1 && counts[i] <= B, "a layer's row count must be 1 to the rows of x");
       check_pool(kpools[i], vpools[i]);
-      check(kpools[i].size(2) == kpools[0].size(2) && kpools[i].scalar_type() == kpools[0].scalar_type(),
-            "every layer's pool has the same head size and dtype");
+      check(kpools[i].size(2) == kpools[0].size(2), "every layer's pool has the same head size");
       check_rows(rows[i], counts[i], kpools[i].size(1));
       check_layer(layers[ids[i]], D, kpools[i].size(0), kpools[i].size(2));
     }
@@ -2715,10 +2651,8 @@ struct LayerStack {
     const auto cc = rope_table(cos, B, hd), sc = rope_table(sin, B, hd);
     float* ha = h.data_ptr<float>();
     for (size_t i = 0; i < n; ++i) {
-      const bool nx = i + 1 < n;
       layer_into(ha, counts[i], D, layers[ids[i]], kpools[i], vpools[i], rows[i].data_ptr<int64_t>(),
-                 cc.data_ptr<float>(), sc.data_ptr<float>(), nx ? &kpools[i + 1] : nullptr,
-                 nx ? &vpools[i + 1] : nullptr);
+                 cc.data_ptr<float>(), sc.data_ptr<float>());
     }
     return h;
   }
@@ -2910,7 +2844,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"),
         py::arg("wo"), py::arg("bo"), py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("kpool"),
         py::arg("vpool"), py::arg("rows"), py::arg("cos"), py::arg("sin"), py::arg("H"), py::arg("scale"),
-        py::arg("next_k") = py::none(), py::arg("next_v") = py::none(), py::arg("sqkv") = py::none(),
+        py::arg("sqkv") = py::none(),
         py::arg("so") = py::none(), py::arg("s13") = py::none(), py::arg("s2") = py::none(), py::arg("a8") = 0);
   // module_local: each build of these kernels (another source, another cache directory) loaded in one
   // process registers its own LayerStack type rather than failing on the first one's
