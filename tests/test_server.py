@@ -508,3 +508,23 @@ def test_a_server_with_native_bursts_answers_as_generate_does(chat_model_dir, ll
             assert "".join(ch.choices[0].text for ch in streamed) == want[0]
     finally:
         s.stop()
+
+
+def test_a_server_on_a_float16_kv_cache_answers_as_generate_on_one_does(chat_model_dir):
+    """`serve --kv-dtype float16`: completions give the text generate gives on a float16 cache, and
+    the start-up line names the pool's dtype."""
+    from skipdecode import LLM
+
+    half = LLM.load(chat_model_dir, kv_dtype="float16")
+    s = Server(chat_model_dir, "--api-key", KEY, "--served-model-name", NAME, "--kv-dtype", "float16",
+               "--log-level", "info")
+    try:
+        c = client(s)
+        for sp in (1, 3):
+            want = half.generate("Describe a pub by the river.", speedup=sp, max_new_tokens=16, chat=False)[0].text
+            r = c.completions.create(model=NAME, prompt="Describe a pub by the river.", max_tokens=16, temperature=0,
+                                     extra_body={"speedup": sp})
+            assert r.choices[0].text == want
+        assert "float16" in next(ln for ln in s.output().splitlines() if "KV pool" in ln)
+    finally:
+        s.stop()

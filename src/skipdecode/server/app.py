@@ -261,10 +261,10 @@ class ServerState:
 
         pool = engine.pool
         log.info("skipdecode: serving %r as %r: %d layers, %s weights, %d threads, KV pool %d slots per layer "
-                 "(%d in all), up to %d requests at once, context %d tokens, loaded in %.1f s",
+                 "(%d in all, %s, %.0f MB), up to %d requests at once, context %d tokens, loaded in %.1f s",
                  self.config.model, self.model_name, llm.num_layers, self.config.dtype, torch.get_num_threads(),
-                 max(pool.capacities), sum(pool.capacities), self.config.engine.max_num_seqs, self.max_model_len,
-                 load_seconds)
+                 max(pool.capacities), sum(pool.capacities), str(pool.dtype).removeprefix("torch."), pool.nbytes / 1e6,
+                 self.config.engine.max_num_seqs, self.max_model_len, load_seconds)
 
     @property
     def max_model_len(self) -> int:
