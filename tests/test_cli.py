@@ -40,6 +40,16 @@ def test_generate_json_prints_one_object_per_prompt(tiny_cli_dir, capsys):
         assert o["seconds"] > 0 and isinstance(o["text"], str) and o["text"]
 
 
+def test_generate_on_a_float16_kv_cache_gives_what_llm_load_with_it_gives(tiny_cli_dir, capsys):
+    from skipdecode import LLM
+
+    objs = run_json(capsys, tiny_cli_dir, "--speedup", "2", "--kv-dtype", "float16", *PROMPTS)
+    want = LLM.load(tiny_cli_dir, kv_dtype="float16").generate(PROMPTS, speedup=2, max_new_tokens=NEW)
+    assert [o["text"] for o in objs] == [w.text for w in want]
+    assert main(["bench", "--kv-dtype", "float16"]) != 0
+    assert "--kv-dtype applies to --llamacpp and --dtype-parity only" in capsys.readouterr().err
+
+
 def test_generate_lossless_gives_full_depth_tokens_and_reports_its_drafts(tiny_cli_dir, capsys):
     full = run_json(capsys, tiny_cli_dir, *PROMPTS)
     for k in ("1", "3"):
