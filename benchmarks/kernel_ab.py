@@ -52,6 +52,18 @@ def parse_cases(args: list[str]) -> tuple[list[str], list[tuple[str, int, float]
     return args, cases
 
 
+def pop_option(args: list[str], flag: str) -> str | None:
+    """The value of ``flag VALUE`` in ``args`` (removed from them), or None if absent."""
+    if flag not in args:
+        return None
+    i = args.index(flag)
+    if i + 1 >= len(args):
+        raise SystemExit(f"{flag} needs a value")
+    value = args[i + 1]
+    del args[i:i + 2]
+    return value
+
+
 def case_rows(llm, batch: int, speedup: float) -> tuple[list[list[int]], object]:
     """A case's prompts (row i gets the bench's E2E prompt i mod 8) and its schedule at ``speedup``."""
     enc = [llm.encode(p) for p in PROMPTS]
@@ -112,11 +124,7 @@ def use_kernels(net, module) -> None:
 def main() -> None:
     rounds_differ = "--rounds-differ" in sys.argv[1:]
     args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
-    kv_dtype = None
-    if "--kv-dtype" in args:
-        i = args.index("--kv-dtype")
-        kv_dtype = args[i + 1]
-        del args[i:i + 2]
+    kv_dtype = pop_option(args, "--kv-dtype")
     other_src, out = Path(args[0]), Path(args[1]) if len(args) > 1 else None
     this, other = kernels.load(), build_other(other_src)
     results = []

@@ -6,7 +6,7 @@ kernel_ab.py). A half-width cache rounds keys and values, so the tokens may diff
 records how many rows decode the same tokens under both. What a step saves is the KV bytes it
 reads, which grow with the rows and the context: the cases run 1, 8 and 32 rows.
 Writes benchmarks/results/kv-dtype-ab.json (or OUT.json).
-Run from the repository root: .venv/bin/python benchmarks/kv_dtype_ab.py [OUT.json] [--kv bfloat16]
+Run from the repository root: .venv/bin/python benchmarks/kv_dtype_ab.py [OUT.json] [--kv-dtype bfloat16]
 [--case DTYPE:BATCH:SPEEDUP ...]
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kernel_ab import ab_model, case_rows, parse_cases, write_report  # the same timing and cases
+from kernel_ab import ab_model, case_rows, parse_cases, pop_option, write_report  # the same timing and cases
 from skipdecode import LLM, kernels
 from skipdecode.engine.kv_cache import KV_DTYPES
 
@@ -29,13 +29,9 @@ def set_kv(net, name: str) -> None:
 
 def main() -> None:
     args, cases = parse_cases(sys.argv[1:])
-    half = "float16"
-    if "--kv" in args:
-        i = args.index("--kv")
-        half = args[i + 1]
-        del args[i:i + 2]
+    half = pop_option(args, "--kv-dtype") or "float16"
     if half not in KV_DTYPES:
-        raise SystemExit(f"--kv takes one of {', '.join(KV_DTYPES)}, got {half!r}")
+        raise SystemExit(f"--kv-dtype takes one of {', '.join(KV_DTYPES)}, got {half!r}")
     out = Path(args[0]) if args else OUT
     results = []
     for dtype, batch, speedup in cases or CASES:
