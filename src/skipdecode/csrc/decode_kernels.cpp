@@ -1670,12 +1670,17 @@ bool amx_permitted() {
 // fp32 rounding (tests/test_kernels.py), and a row's outputs do not depend on the other rows of the
 // call. The low limbs of an x under 2^-110 fall below bf16's normal range and count as zero, as the
 // tile unit treats subnormals (an error under 2^-126 times the weight). fp32 weights take the tiles
-// from 24 rows, where they were faster than the stream form (even at 16, slower at 8: making three
-// weight limbs costs more than the FMA forms spend).
+// from 32 rows, where two row blocks of 16 fill them (below 16 rows making three weight limbs costs
+// more than the FMA forms spend). They had started at 24, timed against the stream form at 32 rows
+// on one Intel Xeon host; on another with the same CPU name, decode steps at 24 rows (two blocks of
+// 12) ran 1.21x faster on the stream form (1.14x at 3x) and at 28 rows 1.29x, where the same run's
+// controls (both sources in one form) read 1.10x at 16 rows and 1.02x at 32
+// (benchmarks/results/xeon-amx/kernel-ab-f32-tiles-from-32.json). At 32 rows, trials of the tiles
+// against the stream form went either way from run to run there, so the tiles keep 32.
 #define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 bool g_amx_bf16 = false;
 // Rows from which the tiles run, per weight dtype; below them the FMA forms do.
-constexpr int64_t AMXB_MIN_F32 = 24, AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 8;
+constexpr int64_t AMXB_MIN_F32 = 32, AMXB_MIN_BF16 = 8, AMXB_MIN_INT8 = 8, AMXB_MIN_INT4 = 8;
 constexpr int64_t AMXB_K = 32;  // k of one tile block: 16 tile rows of 2 k x 16 columns
 
 // What the bf16 limb of each fp32 value (its top half) leaves out: exact, the next limb's value.
