@@ -966,6 +966,29 @@ def test_amx_bf16_tiles_equal_the_fp32_product_and_each_row_is_the_same_in_any_b
 
 
 @needs_kernels
+@pytest.mark.skipif(not HAS_AMX_BF16, reason="this CPU has no AMX-BF16")
+def test_fp32_weights_take_the_tiles_from_32_rows_where_two_row_blocks_fill_them(k):
+    """fp32 panels run the FMA forms up to 31 rows (their bits exactly) and the tiles from 32 (other
+    bits, within fp32 rounding of them): two row blocks of 12-15 rows left the tiles slower than the
+    stream form (benchmarks/results/xeon-amx/kernel-ab-f32-tiles-from-32.json)."""
+    on = k.set_amx_bf16(False)
+    k.set_amx_bf16(on)
+    if not on:
+        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
+    g = _gen(43)
+    packed, _ = _panels("float32", 40, 576, g)
+    x = torch.randn(32, 576, generator=g)
+    k.set_amx_bf16(False)
+    try:
+        fma = {m: k.linear(x[:m], packed, None, 40) for m in (24, 31, 32)}
+    finally:
+        k.set_amx_bf16(on)
+    for m in (24, 31):
+        assert torch.equal(k.linear(x[:m], packed, None, 40), fma[m]), m
+    tiles = k.linear(x, packed, None, 40)
+    assert not torch.equal(tiles, fma[32]) and torch.allclose(tiles, fma[32], rtol=1e-5, atol=1e-5)
+
+@needs_kernels
 def test_a_model_fuses_a_bucket_its_linears_left_unfused_where_its_timed_layers_are_faster(tiny_dirs, tmp_path,
                                                                                           monkeypatch):
     """pack_for_inference times the whole layers (fused stack call against layer by layer) at each
