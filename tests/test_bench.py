@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from skipdecode import dispatch
 from skipdecode.bench import run_bench
 
 
@@ -39,6 +40,8 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     assert 0 < full["matmul_ms_per_step"] < 1.25 * full["ms_per_step"]
     assert saved["machine"]["torch"] and saved["settings"]["new_tokens"] == 16
     assert saved["machine"]["cpu_features"]["cpu"] == saved["machine"]["cpu"]
+    llc = dispatch.llc_bytes() // 2 ** 20 or None  # hosts with one CPU name differ: the cache tells them apart
+    assert saved["machine"]["llc_mib"] == llc
     for dt in ("bf16", "int8"):  # reduced-precision rows: the cost model and the step against fp32
         r = rows[(f"skipdecode-{dt}", 2.0)]
         assert r["ms_per_step_vs_fp32"] > 0 and 1 < r["predicted_speedup"] < r["decode_layer_speedup"]
@@ -46,6 +49,7 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     md = (tmp_path / "bench.md").read_text()
     assert "| 2 | transformers | 1x |" in md and "ratio bound" in md
     assert saved["settings"]["decode_kernels"] in md
+    assert (f"last-level cache {llc} MiB" in md) == (llc is not None)
     assert set(saved["settings"]["plans"]) == {"float32", "bfloat16", "int8"}  # every dtype's chosen forms
     assert "- int8: wqkv: " in md
 

@@ -64,14 +64,21 @@ def _best_time(fn, repeats: int) -> float:
     return min(times)
 
 
+def llc_text(m: dict) -> str:
+    """``", last-level cache N MiB"`` where the report's machine names it, else nothing."""
+    return f", last-level cache {m['llc_mib']} MiB" if m.get("llc_mib") else ""
+
+
 def machine_info() -> dict:
     import transformers
 
-    from ..dispatch import cpu_features
+    from ..dispatch import cpu_features, llc_bytes
 
     feats = cpu_features()
+    # Hosts that report the same CPU name differ (in the last-level cache among other things), and
+    # so do their timings: the cache's size as Linux lists it tells them apart (None where it does not).
     return {"cpu": feats["cpu"], "cpu_features": feats, "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
+            "llc_mib": llc_bytes() // 2 ** 20 or None, "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "skipdecode": __version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -345,7 +352,8 @@ def render_markdown(report: dict) -> str:
         "",
         f"Produced by `skipdecode bench{' --quick' if s['quick'] else ''}` on {m['date']}.",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['platform']}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores{llc_text(m)} ({m['torch_threads']} torch threads), "
+        f"{m['platform']}",
         f"- ISA used: {', '.join(feats.get('isa', [])) or 'unknown'} (torch dispatch level "
         f"{feats.get('torch_capability', '?')}, oneDNN bf16 {'yes' if feats.get('onednn_bf16') else 'no'})",
         f"- Versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "

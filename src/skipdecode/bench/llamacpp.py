@@ -37,7 +37,7 @@ from ..errors import SkipDecodeError
 from ..generate import generate_tokens
 from ..llm import LLM
 from ..model import BLOCK_LINEARS
-from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, machine_info, write_report
+from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, llc_text, machine_info, write_report
 
 # skipdecode dtype -> the llama.cpp type of the same size class it is compared with (Q8_0 and Q4_0
 # also quantize activations to 8 bits in blocks of 32 for their dot products, as w8a8 and w4a8 do;
@@ -331,7 +331,8 @@ def render_markdown(report: dict) -> str:
         "",
         f"Produced by `{command}` on {m['date']}.",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {s['threads']} threads for both engines, {m['platform']}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores{llc_text(m)}, {s['threads']} threads for both engines, "
+        f"{m['platform']}",
         f"- ISA: {', '.join(feats.get('isa', [])) or 'unknown'} (oneDNN bf16 {'yes' if feats.get('onednn_bf16') else 'no'});"
         f" skipdecode's kernels in their {s.get('kernels_isa') or 'no'} form"
         + (f" (int8 activations: {s['a8_form']})" if s.get("a8_form") else "")
