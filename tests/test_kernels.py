@@ -988,6 +988,7 @@ def test_fp32_weights_take_the_tiles_from_32_rows_where_two_row_blocks_fill_them
     tiles = k.linear(x, packed, None, 40)
     assert not torch.equal(tiles, fma[32]) and torch.allclose(tiles, fma[32], rtol=1e-5, atol=1e-5)
 
+
 @needs_kernels
 def test_a_model_fuses_a_bucket_its_linears_left_unfused_where_its_timed_layers_are_faster(tiny_dirs, tmp_path,
                                                                                           monkeypatch):
