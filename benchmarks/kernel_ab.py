@@ -116,9 +116,13 @@ def ab_model(net, apply, settings: dict, ids: list, sched, label: str, rounds_di
 
 
 def use_kernels(net, module) -> None:
-    """Every layer of ``net`` on these kernels."""
-    for block in net.layers:
-        block.kernels = module
+    """Every compiled call of ``net`` on these kernels: its layers, their linears, the norms and the
+    LM head. The native decode loop (``Transformer.native_greedy``) runs only where the layers, the
+    final norm and the head share one module, so a version given the layers alone decoded in Python
+    steps while this checkout's ran native bursts."""
+    for m in net.modules():
+        if getattr(m, "kernels", None) is not None:
+            m.kernels = module
 
 
 def main() -> None:

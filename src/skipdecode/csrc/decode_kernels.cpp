@@ -1676,7 +1676,12 @@ bool amx_permitted() {
 // 12) ran 1.21x faster on the stream form (1.14x at 3x) and at 28 rows 1.29x, where the same run's
 // controls (both sources in one form) read 1.10x at 16 rows and 1.02x at 32
 // (benchmarks/results/xeon-amx/kernel-ab-f32-tiles-from-32.json). At 32 rows, trials of the tiles
-// against the stream form went either way from run to run there, so the tiles keep 32.
+// against the stream form went either way from run to run there, so the tiles keep 32. That A/B's
+// other source ran without the native decode loop (kernel_ab.py put it on the layers alone, not on
+// the final norm and LM head; fixed), which its 16-row control shows. A third host, timed with the
+// fixed script, ran steps at 24 rows 1.05x and at 28 rows 1.16x faster on the tiles, its 16-row
+// control 1.00x (kernel-ab-f32-tiles-from-32-native.json): where the tiles start to pay differs
+// between hosts of one CPU name, and one constant is off by 5-20% at 24-31 rows on one or the other.
 #define SD_AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 bool g_amx_bf16 = false;
 // Rows from which the tiles run, per weight dtype; below them the FMA forms do.

@@ -1,0 +1,48 @@
+"""The benchmark scripts' own logic, where a mistake would skew what they measure."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+from skipdecode import kernels
+from skipdecode.checkpoint import load_model
+
+BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
+SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _OtherVersion:
+    """Another kernel module, as kernel_ab builds one from another source: the same calls, another object."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
+def test_kernel_ab_runs_the_other_kernel_version_in_the_native_decode_loop_as_this_one(tiny_dirs):
+    """kernel_ab puts the other version on every compiled call of the model, so both versions decode
+    in native bursts: given the layers alone, the final norm and LM head kept this checkout's module
+    and the other version decoded in Python steps, a bias toward this checkout."""
+    kernel_ab = _script("kernel_ab")
+    net = load_model(tiny_dirs["llama"])[0].pack_for_inference()
+    assert net.native_greedy(1), "the tiny model's fused layers must run the native loop for this test"
+    other = _OtherVersion(kernels.load())
+    kernel_ab.use_kernels(net, other)
+    net.build_layer_stack()
+    assert net.native_greedy(1)
+    assert all(m.kernels is other for m in net.modules() if getattr(m, "kernels", None) is not None)
+    assert net.lm_head.kernels is other and net.norm.kernels is other
