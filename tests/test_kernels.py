@@ -990,6 +990,44 @@ def test_fp32_weights_take_the_tiles_from_32_rows_where_two_row_blocks_fill_them
 
 
 @needs_kernels
+@pytest.mark.skipif(not HAS_AMX_BF16, reason="this CPU has no AMX-BF16")
+def test_int4_calls_of_4_and_5_rows_stack_every_rows_limbs_in_one_tile(k):
+    """int4 panels at 4 and 5 rows run the tiles with a row's three activation limbs stacked in one A
+    tile (3 M rows): other bits than the FMA forms', within fp32 rounding of the float64 product and
+    no further from it than theirs (bias, ragged panels, several blocks, an outlier column, entries
+    far below the rest), and each row the same bits in calls of 4 and 5 rows. 1-3 and 6-7 rows keep
+    the FMA forms' bits (the tiles' one product per limb takes over from 8)."""
+    on = k.set_amx_bf16(False)
+    k.set_amx_bf16(on)
+    if not on:
+        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
+    g = _gen(47)
+    n, kdim = 40, 576
+    packed, sc = _panels("int4", n, kdim, g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(7, kdim, generator=g)
+    x[:, 5] *= 40
+    x[2, 100:140] = 1e-3
+    k.set_amx_bf16(False)
+    try:
+        w = k.linear(torch.eye(kdim), packed, None, n, sc).double()  # [K, n]: the weights as the panels hold them
+        fma = {m: k.linear(x[:m], packed, b, n, sc) for m in range(1, 8)}
+    finally:
+        k.set_amx_bf16(on)
+    out = {m: k.linear(x[:m], packed, b, n, sc) for m in range(1, 8)}
+    for m in (1, 2, 3, 6, 7):
+        assert torch.equal(out[m], fma[m]), m
+    ref = x[:5].double() @ w + b.double()
+    scale = ref.abs().max()
+    err_stacked = ((out[5].double() - ref).abs().max() / scale).item()
+    err_fma = ((fma[5].double() - ref).abs().max() / scale).item()
+    assert err_stacked < 2e-6 and err_stacked <= 2 * err_fma, (err_stacked, err_fma)
+    for m in (4, 5):
+        assert not torch.equal(out[m], fma[m]), m
+        assert torch.equal(out[m], out[5][:m]), m
+
+
+@needs_kernels
 def test_a_model_fuses_a_bucket_its_linears_left_unfused_where_its_timed_layers_are_faster(tiny_dirs, tmp_path,
                                                                                           monkeypatch):
     """pack_for_inference times the whole layers (fused stack call against layer by layer) at each

@@ -148,10 +148,10 @@ def a8_form() -> str:
 
 def amx_bf16() -> bool:
     """Whether linears with fp32 activations run calls of several rows on the AMX-BF16 tiles
-    (``bfloat16``, ``int8`` and ``int4`` weights from 8 rows, ``float32`` from 32): where the CPU
-    has them and the AVX-512 form runs, unless ``SKIPDECODE_AMX=0``. The tiles sum each output
-    in their own order, in bf16 limbs that lose nothing, so outputs agree with the FMA forms to
-    fp32 rounding, not bit for bit."""
+    (``bfloat16``, ``int8`` and ``int4`` weights from 8 rows, ``int4`` at 4-5 rows too, ``float32``
+    from 32): where the CPU has them and the AVX-512 form runs, unless ``SKIPDECODE_AMX=0``. The
+    tiles sum each output in their own order, in bf16 limbs that lose nothing, so outputs agree
+    with the FMA forms to fp32 rounding, not bit for bit."""
     from .dispatch import cpu_features
 
     amx = os.environ.get("SKIPDECODE_AMX", "1")

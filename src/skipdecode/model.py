@@ -82,9 +82,9 @@ class PackedLinear(nn.Module):
     RoPE and attention keep their fp32 kernels; the KV pool is fp32 unless
     ``kv_dtype`` says otherwise.
     On CPUs with AMX-BF16 the compiled panels run ``bfloat16``, ``int8`` and
-    ``int4`` calls of 8 rows or more, and ``float32`` of 32 or more, on the tile
-    unit, the activations split into bf16 limbs that sum to them exactly: fp32
-    products summed in the tile's order (``kernels.amx_bf16``).
+    ``int4`` calls of 8 rows or more (``int4`` of 4-5 too), and ``float32`` of
+    32 or more, on the tile unit, the activations split into bf16 limbs that sum
+    to them exactly: fp32 products summed in the tile's order (``kernels.amx_bf16``).
 
     The dense weight is dropped after packing, so memory does not double.
     """

@@ -1932,6 +1932,104 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
   });
 }
 
+// A few rows (3 M <= 16) of int4 panels on the tiles with each row's three limbs stacked in one A
+// tile: split_rows_bf16 with Mp = M puts limb i of row m at tile row i M + m of its block, so one
+// tile product per block and panel takes all three limbs of every row, where amxb_rows takes three
+// (one a limb). Tiles: C 0 / 2 the sums of panel 0 / 1, each limb's apart (3 M rows); B 4 / 5 the
+// panels' block; A 6 the block's limbs. Per block, a row's limbs are added (limb 2 + limb 1, then +
+// limb 0) as its sums leave the tiles, times the group scales, into registers. Each row's sums are
+// its own tile rows: a row's outputs are the same bits in calls of 4 and 5 rows. Decode steps on an
+// Intel Xeon (AMX) against the FMA forms: 1.10x faster at 4 rows, 1.12x at 5, 1.09x at 4 rows and
+// 3x (benchmarks/results/xeon-amx/kernel-ab-int4-stacked-limbs.json, whose 1- and 3-row cases run
+// the FMA forms in both and read 1.00x and 0.98x). At 3 rows a first run had the stacked form even
+// with the FMA forms; at 1-2 rows the codes' widening to bf16 costs what the FMA forms' widening and
+// FMAs do while the tile products have little to do. int8 and bf16 panels (one limb too) were no
+// faster in GEMMs of 1-5 rows, so this form is int4's alone.
+constexpr int64_t AMXS_MAX = AMX_ROWS / 3, AMXS_MIN_INT4 = 4;
+
+SD_AMXBF16 static void amxs_configure(int64_t m3) {
+  AmxConfig c;
+  for (int t : {0, 2, 6}) c.rows[t] = static_cast<uint8_t>(m3), c.colsb[t] = 64;
+  for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
+  __asm__ volatile("ldtilecfg %0" ::"m"(c));  // see amx_configure
+}
+
+// Row r's sum over its three limbs from stored C-tile rows t (3 M rows of NR).
+SD_AVX512 static inline __m512 limb_sum(const float* t, int64_t r, int64_t M) {
+  return _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(t + (2 * M + r) * NR), _mm512_load_ps(t + (M + r) * NR)),
+                       _mm512_load_ps(t + r * NR));
+}
+
+// Rows 0 .. M - 1 x np (1 or 2) int4 panels over all of K: x's limbs in xl (split_rows_bf16, Mp =
+// M), the panels' codes at w (wstride apart; amxb_block), their group scales at gs (gstride apart).
+// Sums to acc [np][M][NR].
+SD_AMXBF16 void amxs_rows(const uint16_t* xl, int64_t M, int64_t K, const uint8_t* w, int64_t wstride,
+                          const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
+  alignas(64) uint16_t bl[2][2 * 512];
+  alignas(64) float tmp[2][AMX_ROWS * NR];
+  const int64_t nb = K / AMXB_K, M3 = 3 * M;
+  __m512 ra[2][AMXS_MAX];
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q)
+#pragma GCC unroll 5
+    for (int r = 0; r < AMXS_MAX; ++r) ra[q][r] = _mm512_setzero_ps();
+  amxb_block(w, wstride, np, 0, bl[0]);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* B = bl[b & 1];
+    _tile_zero(0);
+    _tile_zero(2);
+    _tile_loadd(4, B, 64);
+    if (np == 2) _tile_loadd(5, B + 512, 64);
+    _tile_loadd(6, xl + b * M3 * AMXB_K, AMXB_K * 2);
+    _tile_dpbf16ps(0, 6, 4);
+    if (np == 2) _tile_dpbf16ps(2, 6, 5);
+    if (b + 1 < nb) amxb_block(w, wstride, np, (b + 1) * AMXB_K, bl[(b + 1) & 1]);
+    _tile_stored(0, tmp[0], NR * 4);
+    if (np == 2) _tile_stored(2, tmp[1], NR * 4);
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q)
+      if (q < np) {
+        const __m512 sc = load_w16(gs + q * gstride + b * NR);
+#pragma GCC unroll 5
+        for (int r = 0; r < AMXS_MAX; ++r)
+          if (r < M) ra[q][r] = _mm512_fmadd_ps(limb_sum(tmp[q], r, M), sc, ra[q][r]);
+      }
+  }
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q)
+#pragma GCC unroll 5
+    for (int r = 0; r < AMXS_MAX; ++r)
+      if (q < np && r < M) _mm512_storeu_ps(acc + (q * M + r) * NR, ra[q][r]);
+}
+
+// y = x @ W^T (+ bias) (+ res) for M <= AMXS_MAX rows of int4 panels (amxs_rows): threads take
+// pairs of panels, each splitting x into limbs of its own (as linear_amx_bf16).
+void linear_amx_stacked(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* gs,
+                        const float* ba, int64_t n, float* ya, const float* res) {
+  const int64_t wstride = K * (NR / 2), gstride = (K / G4) * NR, NPP = (NP + 1) / 2;
+  parallel_steal(NPP, 1, [&](const auto& next) {
+    thread_local std::vector<uint16_t> limbs;
+    limbs.resize(3 * M * K);
+    split_rows_bf16(xa, M, M, K, limbs.data());
+    amxs_configure(3 * M);
+    alignas(64) float acc[2 * AMXS_MAX * NR];
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t pp = p0; pp < p1; ++pp) {
+        const int64_t p = 2 * pp, np = std::min<int64_t>(2, NP - p);
+        amxs_rows(limbs.data(), M, K, wa + p * wstride, wstride, gs + p * gstride, gstride, np, acc);
+        for (int64_t q = 0; q < np; ++q)
+          store_rows(M, acc + q * M * NR, ya + (p + q) * NR, n, std::min(NR, n - (p + q) * NR), nullptr,
+                     ba ? ba + (p + q) * NR : nullptr, res ? res + (p + q) * NR : nullptr);
+      }
+    amx_release();
+  });
+}
+
+// Whether linear_into runs M rows of panels of this dtype with stacked limbs (linear_amx_stacked).
+bool amx_stacked(at::ScalarType dt, int64_t M) {
+  return g_amx_bf16 && g_avx512 && dt == torch::kByte && M >= AMXS_MIN_INT4 && M <= AMXS_MAX;
+}
+
 // The rows from which linear_into takes the tiles for panels of this dtype (0: never).
 int64_t amx_bf16_min_rows(at::ScalarType dt) {
   if (!g_amx_bf16 || !g_avx512) return 0;  // the AVX2 form (SKIPDECODE_ISA=avx2) runs what an AVX2 CPU does
@@ -2006,6 +2104,9 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
                              : linear_into_a8<false>(xa, M, packed, scale, K, NP, ba, n, ya, res);
   const auto dt = packed.scalar_type();
   const int64_t amx = amx_bf16_min_rows(dt);
+  if (amx_stacked(dt, M) && K % AMXB_K == 0)
+    return linear_amx_stacked(xa, M, packed.data_ptr<uint8_t>(), K, NP,
+                              reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res);
   if (amx && M >= amx && K % AMXB_K == 0) {
     const float* sa = dt == torch::kChar ? scale->data_ptr<float>() : nullptr;
     switch (dt) {
