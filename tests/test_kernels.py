@@ -72,6 +72,15 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _skip_unless_tiles(k) -> None:
+    """Skip the test unless the AMX-BF16 tiles are on in this process (SKIPDECODE_AMX=0, or the OS
+    refusing the tile registers, leaves them off)."""
+    on = k.set_amx_bf16(False)
+    k.set_amx_bf16(on)
+    if not on:
+        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
+
+
 @needs_kernels
 @pytest.mark.parametrize("n,kdim", [(16, 8), (40, 300), (100, 600), (3, 520)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, 70])
@@ -936,10 +945,7 @@ def test_amx_bf16_tiles_equal_the_fp32_product_and_each_row_is_the_same_in_any_b
     and entries far below the rest; and a row's outputs are bitwise the same in calls of 8 (fp32:
     32) to 70 rows (row blocks of different heights, one or two a group), as a batch must leave
     what a request decodes alone."""
-    on = k.set_amx_bf16(False)
-    k.set_amx_bf16(on)
-    if not on:
-        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
+    _skip_unless_tiles(k)
     g = _gen(41)
     n, kdim = 40, 576
     packed, sc = _panels(dtype, n, kdim, g)
@@ -971,10 +977,7 @@ def test_fp32_weights_take_the_tiles_from_32_rows_where_two_row_blocks_fill_them
     """fp32 panels run the FMA forms up to 31 rows (their bits exactly) and the tiles from 32 (other
     bits, within fp32 rounding of them): two row blocks of 12-15 rows left the tiles slower than the
     stream form (benchmarks/results/xeon-amx/kernel-ab-f32-tiles-from-32.json)."""
-    on = k.set_amx_bf16(False)
-    k.set_amx_bf16(on)
-    if not on:
-        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
+    _skip_unless_tiles(k)
     g = _gen(43)
     packed, _ = _panels("float32", 40, 576, g)
     x = torch.randn(32, 576, generator=g)
@@ -982,7 +985,7 @@ def test_fp32_weights_take_the_tiles_from_32_rows_where_two_row_blocks_fill_them
     try:
         fma = {m: k.linear(x[:m], packed, None, 40) for m in (24, 31, 32)}
     finally:
-        k.set_amx_bf16(on)
+        k.set_amx_bf16(True)
     for m in (24, 31):
         assert torch.equal(k.linear(x[:m], packed, None, 40), fma[m]), m
     tiles = k.linear(x, packed, None, 40)
@@ -997,10 +1000,7 @@ def test_int4_calls_of_4_and_5_rows_stack_every_rows_limbs_in_one_tile(k):
     no further from it than theirs (bias, ragged panels, several blocks, an outlier column, entries
     far below the rest), and each row the same bits in calls of 4 and 5 rows. 1-3 and 6-7 rows keep
     the FMA forms' bits (the tiles' one product per limb takes over from 8)."""
-    on = k.set_amx_bf16(False)
-    k.set_amx_bf16(on)
-    if not on:
-        pytest.skip("the tiles are off here (SKIPDECODE_AMX=0, or the OS refused them)")
+    _skip_unless_tiles(k)
     g = _gen(47)
     n, kdim = 40, 576
     packed, sc = _panels("int4", n, kdim, g)
@@ -1013,7 +1013,7 @@ def test_int4_calls_of_4_and_5_rows_stack_every_rows_limbs_in_one_tile(k):
         w = k.linear(torch.eye(kdim), packed, None, n, sc).double()  # [K, n]: the weights as the panels hold them
         fma = {m: k.linear(x[:m], packed, b, n, sc) for m in range(1, 8)}
     finally:
-        k.set_amx_bf16(on)
+        k.set_amx_bf16(True)
     out = {m: k.linear(x[:m], packed, b, n, sc) for m in range(1, 8)}
     for m in (1, 2, 3, 6, 7):
         assert torch.equal(out[m], fma[m]), m

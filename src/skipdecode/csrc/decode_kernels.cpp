@@ -1947,13 +1947,6 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
 // faster in GEMMs of 1-5 rows, so this form is int4's alone.
 constexpr int64_t AMXS_MAX = AMX_ROWS / 3, AMXS_MIN_INT4 = 4;
 
-SD_AMXBF16 static void amxs_configure(int64_t m3) {
-  AmxConfig c;
-  for (int t : {0, 2, 6}) c.rows[t] = static_cast<uint8_t>(m3), c.colsb[t] = 64;
-  for (int t : {4, 5}) c.rows[t] = 16, c.colsb[t] = 64;
-  __asm__ volatile("ldtilecfg %0" ::"m"(c));  // see amx_configure
-}
-
 // Row r's sum over its three limbs from stored C-tile rows t (3 M rows of NR).
 SD_AVX512 static inline __m512 limb_sum(const float* t, int64_t r, int64_t M) {
   return _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(t + (2 * M + r) * NR), _mm512_load_ps(t + (M + r) * NR)),
@@ -2011,7 +2004,7 @@ void linear_amx_stacked(const float* xa, int64_t M, const uint8_t* wa, int64_t K
     thread_local std::vector<uint16_t> limbs;
     limbs.resize(3 * M * K);
     split_rows_bf16(xa, M, M, K, limbs.data());
-    amxs_configure(3 * M);
+    amxb_configure(3 * M);  // A / C tiles of 3 M rows (1, 3 and 7 go unused)
     alignas(64) float acc[2 * AMXS_MAX * NR];
     for (int64_t p0, p1; next(p0, p1);)
       for (int64_t pp = p0; pp < p1; ++pp) {
@@ -2023,11 +2016,6 @@ void linear_amx_stacked(const float* xa, int64_t M, const uint8_t* wa, int64_t K
       }
     amx_release();
   });
-}
-
-// Whether linear_into runs M rows of panels of this dtype with stacked limbs (linear_amx_stacked).
-bool amx_stacked(at::ScalarType dt, int64_t M) {
-  return g_amx_bf16 && g_avx512 && dt == torch::kByte && M >= AMXS_MIN_INT4 && M <= AMXS_MAX;
 }
 
 // The rows from which linear_into takes the tiles for panels of this dtype (0: never).
@@ -2104,7 +2092,7 @@ void linear_into(const float* xa, int64_t M, const torch::Tensor& packed, const 
                              : linear_into_a8<false>(xa, M, packed, scale, K, NP, ba, n, ya, res);
   const auto dt = packed.scalar_type();
   const int64_t amx = amx_bf16_min_rows(dt);
-  if (amx_stacked(dt, M) && K % AMXB_K == 0)
+  if (amx && dt == torch::kByte && M >= AMXS_MIN_INT4 && M <= AMXS_MAX && K % AMXB_K == 0)
     return linear_amx_stacked(xa, M, packed.data_ptr<uint8_t>(), K, NP,
                               reinterpret_cast<const uint16_t*>(scale->data_ptr<at::BFloat16>()), ba, n, ya, res);
   if (amx && M >= amx && K % AMXB_K == 0) {
