@@ -29,7 +29,7 @@ import torch
 
 from skipdecode import LLM, kernels
 from skipdecode.bench.decode import layer_linears, machine_info
-from skipdecode.bench.llamacpp import FP32_FMA_DTYPES, read_bandwidth_gbs
+from skipdecode.bench.llamacpp import FP32_FMA_DTYPES, read_bandwidth_gbs, read_probe
 
 DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8", "w8a16", "w4a16")
 ROWS = (1, 8, 32)
@@ -88,8 +88,9 @@ def main() -> None:
         dtypes = tuple(args[i + 1].split(","))
         del args[i:i + 2]
     out = Path(args[0]) if args else Path("benchmarks/results/gemm-streamed.json")
-    bw = read_bandwidth_gbs()
     k = kernels.load()
+    probe = read_probe()
+    bw = read_bandwidth_gbs(probe=probe, module=k)
     fma = kernels.fma_peak_gflops(k) if k is not None else None
     results = []
     for dt in dtypes:
@@ -99,7 +100,7 @@ def main() -> None:
             print(f"{dt:8s} rows {b:<2}  streamed {r['streamed_ms']:7.2f} ms ({r['streamed_gflops']:6.1f} GF/s, "
                   f"{r['streamed_gbs']:5.1f} GB/s)  resident {r['resident_ms']:7.2f} ms ({r['resident_gflops']:6.1f} GF/s)"
                   f"  {r['streamed_over_resident']:.2f}x", flush=True)
-    bw = max(bw, read_bandwidth_gbs())
+    bw = max(bw, read_bandwidth_gbs(probe=probe, module=k))
     if fma:
         fma = max(fma, kernels.fma_peak_gflops(k))
         for r in results:

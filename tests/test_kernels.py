@@ -55,6 +55,29 @@ def test_the_fma_rate_counts_each_forms_lanes_on_every_thread_and_is_a_plausible
         k.fma_flops(0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4096 + 17])
+def test_the_read_probe_reads_every_float_once_in_each_form_and_thread_count(k, isa, threads, n):
+    x = (torch.arange(n) % 7).float()  # integer sums below 2^24: exact in any order
+    for t in (1, 2, 3):
+        threads(t)
+        for pf in (0, 512, 4096):
+            assert k.read_stream(x, pf) == float(x.sum()), (t, pf)
+
+
+@needs_kernels
+def test_the_read_probe_refuses_what_it_cannot_stream_and_times_every_prefetch_distance(k):
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        k.read_stream(torch.ones(64, dtype=torch.float64), 0)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        k.read_stream(torch.ones(64, 2).t(), 0)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        k.read_stream(torch.ones(64), 100)
+    rates = kernels.stream_read_gbs(k, torch.ones(2**20), repeats=1)
+    assert list(rates) == list(kernels.READ_PREFETCH_BYTES)
+    assert all(0.5 < v < 5000 for v in rates.values()), rates  # GB/s, not a unit slip
+
+
 HAS_AMX_BF16 = HAS_AVX512 and {"amx_tile", "amx_bf16"} <= set(
     __import__("skipdecode.dispatch").dispatch.cpu_features()["isa"])
 

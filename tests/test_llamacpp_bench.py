@@ -69,9 +69,52 @@ def test_step_bytes_count_each_linear_and_the_head_in_its_stored_dtype_and_step_
         assert step_macs(llm) == params, llm.model.lm_head
 
 
-def test_read_bandwidth_is_a_plausible_memory_speed():
-    bw = read_bandwidth_gbs(repeats=2, gib=0.125)
-    assert 0.5 < bw < 2000, bw  # GB/s: a DRAM or cache read rate, not a unit slip
+def test_read_bandwidth_is_the_fastest_reader_and_a_plausible_memory_speed():
+    from skipdecode import kernels
+
+    k = kernels.load()
+    probe = llamacpp.read_probe(gib=0.125)
+    assert probe.dtype == torch.float32 and probe.numel() == 2**25 and bool((probe == 1).all())
+    rates = llamacpp.read_rates_gbs(probe, k, repeats=1)
+    want = {"torch"} | ({f"stream-{pf}" for pf in kernels.READ_PREFETCH_BYTES} if k is not None else set())
+    assert set(rates) == want
+    for name, gbs in rates.items():
+        assert 0.5 < gbs < 2000, (name, gbs)  # GB/s: a DRAM or cache read rate, not a unit slip
+    bw = read_bandwidth_gbs(repeats=1, probe=probe, module=k)
+    assert 0.5 < bw < 2000, bw
+
+
+def test_the_probe_is_found_on_huge_pages_only_where_linux_put_it_there():
+    assert not llamacpp.read_probe_huge(torch.ones(1000))  # a small tensor on the ordinary heap
+    probe = llamacpp.read_probe(gib=0.0625)
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists() or "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        return  # no smaps to read, or every mapping may get 2 MB pages: nothing to tell apart
+    assert llamacpp.read_probe_huge(probe) == ("AnonHugePages" in smaps.read_text()
+                                               and _huge_kb_at(smaps.read_text(), probe.data_ptr()) > 0)
+
+
+def _huge_kb_at(smaps: str, addr: int) -> int:
+    """AnonHugePages (kB) of the mapping holding ``addr``, read independently of the bench's parser."""
+    blocks = smaps.split("\n")
+    for i, line in enumerate(blocks):
+        parts = line.split(" ", 1)
+        if "-" in parts[0] and not parts[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                for rest in blocks[i + 1:]:
+                    if rest.startswith("AnonHugePages:"):
+                        return int(rest.split()[1])
+    return 0
+
+
+def test_the_report_names_every_reader_of_the_bandwidth_and_reads_older_reports():
+    new = {"threads": 2, "read_probe_pages": "2 MB",
+           "read_rates_gbs": {"torch": 29.1, "stream-0": 29.0, "stream-1024": 34.4}}
+    text = llamacpp.read_text(new)
+    assert "2 MB pages" in text and "torch sum and max 29.1 GB/s" in text
+    assert "0 / 1024 bytes ahead 29.0 / 34.4 GB/s" in text
+    assert llamacpp.read_text({"threads": 2}) == "torch sum and max over 1 GiB, 2 threads, best of every round"
 
 
 def test_staged_directory_adds_the_architecture_and_links_the_rest(tiny_dirs, tmp_path):

@@ -178,6 +178,26 @@ def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:
     return best
 
 
+READ_PREFETCH_BYTES = (0, 512, 1024, 2048, 4096)  # prefetch distances the read probe tries
+
+
+def stream_read_gbs(module, probe: torch.Tensor, repeats: int = 3) -> dict[int, float]:
+    """This machine's read bandwidth (GB/s) on torch's threads, as the kernels stream weights: each
+    thread sums its contiguous share of ``probe`` (float32, far larger than the caches) with vector
+    loads, asking for lines each of READ_PREFETCH_BYTES ahead (0: the hardware prefetcher alone);
+    best of ``repeats`` per distance. Which distance reads fastest differs between CPUs, so all are
+    tried and reported; the best is the bandwidth a batch-1 step's weight stream is measured against."""
+    import time
+
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for pf in READ_PREFETCH_BYTES:
+            t = time.perf_counter()
+            module.read_stream(probe, pf)
+            best[pf] = max(best.get(pf, 0.0), probe.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 HUGE_PAGE = 2 << 20  # x86-64's large page: one TLB entry maps 512 small ones
 ARENA_ALIGN = 64  # each tensor in the arena starts on a cache line
 

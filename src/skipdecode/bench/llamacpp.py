@@ -11,8 +11,9 @@ directly in each engine (so prefill noise, which at batch 32 is several decode s
 best of interleaved rounds (each round times every skipdecode row, then runs llama.cpp once per
 GGUF).
 
-The machine's read bandwidth is measured in every round (a torch sum and max over 1 GiB with the
-bench's threads; the best is kept),
+The machine's read bandwidth is measured in every round: the fastest of a torch sum and max and
+the kernels' own streaming read (``kernels.stream_read_gbs``, lines asked for 0-4 KB ahead) over
+1 GiB on 2 MB pages (as the packed weights are) with the bench's threads; the best is kept,
 and every batch-1 full-depth step is reported as a fraction of it: bytes of weights one step
 reads (every linear and the LM head; the KV cache of a ~100-token context adds under 1%) over
 the step's time. Likewise the machine's fp32 multiply-add rate (``kernels.fma_peak_gflops``),
@@ -174,12 +175,32 @@ def step_macs(llm: LLM) -> int:
     return sum(m.out_features * m.in_features for m in step_linears(llm))
 
 
-def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0, probe: torch.Tensor | None = None) -> float:
-    """The machine's read bandwidth with the bench's threads: bytes of a tensor far larger than the
-    caches over the best time of reducing it (a sum and a max: both stream it once)."""
-    x = probe if probe is not None else torch.ones(int(gib * 2**30) // 4)
-    t = min(_best_time(lambda: x.sum(), repeats), _best_time(lambda: x.amax(), repeats))
-    return x.numel() * 4 / t / 1e9
+def read_probe(gib: float = 1.0) -> torch.Tensor:
+    """A float32 tensor of ``gib`` GiB, far larger than the caches, on the 2 MB pages the packed
+    weights get (``kernels.huge_page_arena``): on 4 KB pages every reader is slower (a TLB miss per
+    page, prefetchers stopping at each page), so the probe would understate what a step can read."""
+    from .. import kernels
+
+    return kernels.huge_page_arena([torch.ones(int(gib * 2**30) // 4)])[0]
+
+
+def read_rates_gbs(probe: torch.Tensor, module=None, repeats: int = 3) -> dict[str, float]:
+    """GB/s of each reader of ``probe`` with the bench's threads, best of ``repeats``: ``torch``, a
+    sum and a max (each streams it once); with the compiled kernels (``module``) also their own
+    streaming read at each prefetch distance (``stream-<bytes>``, ``kernels.stream_read_gbs``)."""
+    from .. import kernels
+
+    t = min(_best_time(lambda: probe.sum(), repeats), _best_time(lambda: probe.amax(), repeats))
+    rates = {"torch": probe.numel() * 4 / t / 1e9}
+    if module is not None:
+        rates.update({f"stream-{pf}": v for pf, v in kernels.stream_read_gbs(module, probe, repeats).items()})
+    return rates
+
+
+def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0, probe: torch.Tensor | None = None, module=None) -> float:
+    """The machine's read bandwidth with the bench's threads: the fastest reader of ``read_rates_gbs``
+    over a tensor far larger than the caches (``probe``, else a new ``read_probe(gib)``)."""
+    return max(read_rates_gbs(probe if probe is not None else read_probe(gib), module, repeats).values())
 
 
 def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
@@ -224,11 +245,11 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     schedules = {sp: base.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
     encoded = [base.encode(p) for p in PROMPTS]
     ids_all = [encoded[i % len(encoded)] for i in range(max(batch_sizes))]
-    probe = torch.ones(2**28)  # 1 GiB: its read bandwidth is measured in every round, the best kept
-    bw = 0.0
+    probe = read_probe()  # 1 GiB: each reader's rate is measured in every round, the best kept
     from .. import kernels
 
     k = base.model.kernels
+    readers: dict[str, float] = {}
     fma = 0.0  # GFLOP/s, measured in every round too (not reported without the compiled kernels)
     t_dec: dict[tuple, list[float]] = {}  # (engine, batch, speedup) -> seconds of the N - 1 decode steps, per round
     ours = {B: {dt: _Ours(x, ids_all[:B]) for dt, x in llms.items()} for B in batch_sizes}
@@ -247,7 +268,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 for sp, s in schedules.items():
                     t_dec.setdefault((ENGINE_NAMES.get(dt, f"skipdecode-{dt}"), B, sp), []).append(
                         o.run(s, N)["decode_seconds"])
-        bw = max(bw, read_bandwidth_gbs(repeats=3, probe=probe))
+        for name, rate in read_rates_gbs(probe, k).items():
+            readers[name] = max(readers.get(name, 0.0), rate)
         if k is not None:
             fma = max(fma, kernels.fma_peak_gflops(k, repeats=3))
         for t, path in ggufs.items():
@@ -259,6 +281,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
     bytes_ours = {ENGINE_NAMES.get(dt, f"skipdecode-{dt}"): step_bytes(x) for dt, x in llms.items()}
     bytes_peer = {f"llama.cpp-{t}": gguf_step_bytes(p) for t, p in ggufs.items()}
     macs = step_macs(base)
+    bw = max(readers.values())
     results = []
     for (engine, B, sp), td in t_dec.items():
         dec = min(td)
@@ -299,7 +322,9 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 "quick": quick, "threads": threads, "dtypes": dtypes, "llamacpp_types": types, "greedy": True,
                 "eos_ignored": True, "prompt_tokens": [len(x) for x in encoded], "llama_cpp_python": version,
                 "ggufs": {t: {"file": str(p), "bytes": p.stat().st_size} for t, p in ggufs.items()},
-                "read_bandwidth_gbs": round(bw, 2), "fma_peak_gflops": round(fma, 1) if fma else None,
+                "read_bandwidth_gbs": round(bw, 2), "read_rates_gbs": {n: round(v, 2) for n, v in readers.items()},
+                "read_probe_pages": "2 MB" if read_probe_huge(probe) else "4 KB",
+                "fma_peak_gflops": round(fma, 1) if fma else None,
                 "weight_macs_per_position": macs,
                 "greedy_tokens_agreeing_with_skipdecode": {"reference": dtypes[0], "of": N, **agree},
                 "schedules": {str(k): v.to_dict() for k, v in schedules.items()}}
@@ -311,6 +336,40 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             f"{r['decode_tokens_per_s']:8.1f} tok/s" + (f"  {r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}"
                                                          if "vs_llamacpp" in r else ""))
     return report
+
+
+def read_probe_huge(probe: torch.Tensor) -> bool:
+    """Whether ``probe`` lies in a mapping Linux backs with 2 MB pages (``AnonHugePages`` of its
+    entry in /proc/self/smaps); False where that cannot be read."""
+    addr = probe.data_ptr()
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return False
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) > 0
+    return False
+
+
+def read_text(s: dict) -> str:
+    """How the read bandwidth was measured, with every reader's rate (older reports: torch's only)."""
+    rates = s.get("read_rates_gbs")
+    if not rates:
+        return f"torch sum and max over 1 GiB, {s['threads']} threads, best of every round"
+    stream = {int(n.split("-")[1]): v for n, v in rates.items() if n.startswith("stream-")}
+    text = (f"the fastest reader of a 1 GiB tensor on {s.get('read_probe_pages', '4 KB')} pages, {s['threads']} "
+            f"threads, best of every round: torch sum and max {rates['torch']:.1f} GB/s")
+    if stream:
+        text += ("; the kernels' streaming read with lines asked for "
+                 + " / ".join(f"{pf}" for pf in stream) + " bytes ahead "
+                 + " / ".join(f"{v:.1f}" for v in stream.values()) + " GB/s")
+    return text
 
 
 def render_markdown(report: dict) -> str:
@@ -354,9 +413,9 @@ def render_markdown(report: dict) -> str:
         f"- Greedy tokens of prompt 0 at batch 1 equal to skipdecode {s['greedy_tokens_agreeing_with_skipdecode']['reference']}"
         f" 1x before the first difference (of {s['greedy_tokens_agreeing_with_skipdecode']['of']}): "
         + ", ".join(f"{k} {v}" for k, v in agree.items()),
-        f"- Read bandwidth measured here: {s['read_bandwidth_gbs']:.1f} GB/s (torch sum and max over 1 GiB, "
-        f"{s['threads']} threads, best of every round); batch-1 full-depth rows give the weight bytes a step reads "
-        "over its time (a fraction above 100% means the engine streams weights faster than that reduction does).",
+        f"- Read bandwidth measured here: {s['read_bandwidth_gbs']:.1f} GB/s: {read_text(s)}; batch-1 full-depth "
+        "rows give the weight bytes a step reads over its time (a fraction above 100% means the engine streams "
+        "weights faster than those readers do, as it can where the last-level cache holds some of them).",
     ]
     if s.get("fma_peak_gflops"):
         lines.append(

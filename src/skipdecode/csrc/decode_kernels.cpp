@@ -2862,6 +2862,58 @@ float fma_chains256(int64_t iters) {
   return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
 }
 
+// The read-bandwidth probe: n floats summed in 256-byte strides (four independent sums), asking for
+// the lines pf bytes ahead (pf 0: the hardware prefetcher alone). Why native: torch's reductions
+// read a large tensor slower than the decode kernels stream their weights (batch-1 steps read
+// "over 100%" of what a torch sum measured), so the fraction of bandwidth needs a faster reader.
+static inline void read_lines_pf(const float* p, int64_t pf) {
+  for (int64_t j = 0; j < 256; j += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + pf + j, _MM_HINT_T0);
+}
+SD_AVX512 float read_sum512(const float* p, int64_t n, int64_t pf) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    if (pf) read_lines_pf(p + i, pf);
+    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i + 48));
+  }
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+float read_sum256(const float* p, int64_t n, int64_t pf) {
+  __m256 a[8];
+  for (auto& x : a) x = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    if (pf) read_lines_pf(p + i, pf);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_add_ps(a[j], _mm256_loadu_ps(p + i + 8 * j));
+  }
+  for (int j = 1; j < 8; ++j) a[0] = _mm256_add_ps(a[0], a[j]);
+  float s = hsum(a[0]);
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+// Reads x (contiguous float32) once, each of torch's threads its contiguous share, in the kernels'
+// form (AVX-512 or AVX2), asking for lines prefetch_bytes ahead; returns the sum (time the call).
+double read_stream(const torch::Tensor& x, int64_t prefetch_bytes) {
+  check(x.scalar_type() == torch::kFloat && x.is_contiguous(), "the probe must be a contiguous float32 tensor");
+  check(prefetch_bytes >= 0 && prefetch_bytes % 64 == 0, "prefetch_bytes must be a non-negative multiple of 64");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel(), threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 64));
+  std::vector<double> part(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t lo = n * t / threads / 64 * 64, hi = t + 1 == threads ? n : n * (t + 1) / threads / 64 * 64;
+      part[t] = g_avx512 ? read_sum512(p + lo, hi - lo, prefetch_bytes) : read_sum256(p + lo, hi - lo, prefetch_bytes);
+    }
+  });
+  return std::accumulate(part.begin(), part.end(), 0.0);
+}
+
 // How many times parallel_steal hands out each of 0 .. n - 1 (each must be once), then how many
 // ranges it handed them out in; for the tests.
 std::vector<int64_t> steal_counts(int64_t n, int64_t chunk) {
@@ -2936,6 +2988,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
   m.def("steal_counts", &steal_counts, "times parallel_steal hands out each index, then the ranges it handed out",
         py::arg("n"), py::arg("chunk"));
+  m.def("read_stream", &read_stream, "sum of a float32 tensor read once by every thread's share, lines asked for "
+        "prefetch_bytes ahead (time it for the read bandwidth)", py::arg("x"), py::arg("prefetch_bytes"));
   m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
         py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
