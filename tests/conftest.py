@@ -25,6 +25,20 @@ import torch  # noqa: E402
 
 
 
+def _kernels_buildable() -> bool:
+    import shutil
+
+    from skipdecode import kernels
+
+    return kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
+
+
+# Whether the compiled kernels can build here (an AVX2/FMA CPU and a C++ compiler), and the mark
+# for tests that need them.
+BUILDABLE = _kernels_buildable()
+needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
+
+
 def pytest_sessionstart(session):
     """Build the compiled kernels once, before any test runs: otherwise the first CLI
     subprocess to load them builds them and prints a one-time notice that tests of the

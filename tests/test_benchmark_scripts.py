@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
 
+from conftest import needs_kernels
 from skipdecode import kernels
 from skipdecode.checkpoint import load_model
 
-BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
 SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -32,7 +31,7 @@ class _OtherVersion:
         return getattr(self._module, name)
 
 
-@pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
+@needs_kernels
 def test_kernel_ab_runs_the_other_kernel_version_in_the_native_decode_loop_as_this_one(tiny_dirs):
     """kernel_ab puts the other version on every compiled call of the model, so both versions decode
     in native bursts: given the layers alone, the final norm and LM head kept this checkout's module

@@ -5,18 +5,16 @@ int8 models follow the fp32 model they were packed from."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import BUILDABLE, needs_kernels
 from skipdecode import dispatch, kernels
 from skipdecode.model import PackedLinear, quantize_int8
 
-BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
-needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
 
 
 def test_a_call_uses_the_first_bucket_that_holds_its_rows():

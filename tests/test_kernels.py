@@ -9,19 +9,17 @@ matches transformers (tests/test_parity_transformers.py runs both)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import BUILDABLE, needs_kernels
 from skipdecode import kernels
 from skipdecode.engine.kv_cache import KVPool, Reservation, RequestKV
 from skipdecode.model import LayerRows, PackedLinear, RMSNorm
 
-BUILDABLE = kernels._cpu_has_avx2_fma() and shutil.which("c++") is not None
-needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="no AVX2/FMA CPU or no C++ compiler")
 
 
 @pytest.fixture(scope="module")
