@@ -24,7 +24,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-
 def _kernels_buildable() -> bool:
     import shutil
 

@@ -16,7 +16,6 @@ from skipdecode import dispatch, kernels
 from skipdecode.model import PackedLinear, quantize_int8
 
 
-
 def test_a_call_uses_the_first_bucket_that_holds_its_rows():
     assert [dispatch.bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 32, 33, 128, 129, 4096)] == \
         [0, 1, 2, 2, 3, 3, 4, 5, 6, 7, 7, 7]

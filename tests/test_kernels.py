@@ -21,7 +21,6 @@ from skipdecode.engine.kv_cache import KVPool, Reservation, RequestKV
 from skipdecode.model import LayerRows, PackedLinear, RMSNorm
 
 
-
 @pytest.fixture(scope="module")
 def k():
     mod = kernels.load()

@@ -69,7 +69,7 @@ def test_step_bytes_count_each_linear_and_the_head_in_its_stored_dtype_and_step_
         assert step_macs(llm) == params, llm.model.lm_head
 
 
-def test_read_bandwidth_is_the_fastest_reader_and_a_plausible_memory_speed():
+def test_every_reader_of_the_bandwidth_is_timed_and_each_is_a_plausible_memory_speed():
     from skipdecode import kernels
 
     k = kernels.load()
@@ -90,8 +90,7 @@ def test_the_probe_is_found_on_huge_pages_only_where_linux_put_it_there():
     smaps = Path("/proc/self/smaps")
     if not smaps.exists() or "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
         return  # no smaps to read, or every mapping may get 2 MB pages: nothing to tell apart
-    assert llamacpp.read_probe_huge(probe) == ("AnonHugePages" in smaps.read_text()
-                                               and _huge_kb_at(smaps.read_text(), probe.data_ptr()) > 0)
+    assert llamacpp.read_probe_huge(probe) == (_huge_kb_at(smaps.read_text(), probe.data_ptr()) > 0)
 
 
 def _huge_kb_at(smaps: str, addr: int) -> int:
