@@ -1943,8 +1943,10 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
 // 3x (benchmarks/results/xeon-amx/kernel-ab-int4-stacked-limbs.json, whose 1- and 3-row cases run
 // the FMA forms in both and read 1.00x and 0.98x). At 3 rows a first run had the stacked form even
 // with the FMA forms; at 1-2 rows the codes' widening to bf16 costs what the FMA forms' widening and
-// FMAs do while the tile products have little to do. int8 and bf16 panels (one limb too) were no
-// faster in GEMMs of 1-5 rows, so this form is int4's alone.
+// FMAs do while the tile products have little to do. A cheaper widening (a shift and one ternary
+// logic op a tile row, the bf16 of 16 + the code) did not change that: 0.90x at 1 row, 0.99x at 2,
+// 1.04x at 3, 1.02x at 4 (xeon-amx/kernel-ab-int4-stacked-from-1.json). int8 and bf16 panels (one
+// limb too) were no faster in GEMMs of 1-5 rows, so this form is int4's alone.
 constexpr int64_t AMXS_MAX = AMX_ROWS / 3, AMXS_MIN_INT4 = 4;
 
 // Row r's sum over its three limbs from stored C-tile rows t (3 M rows of NR).
