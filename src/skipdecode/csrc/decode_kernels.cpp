@@ -46,6 +46,17 @@ constexpr int64_t PF_BYTES = 4096;
 // (benchmarks/results/xeon-amx/gemm-streamed-b1.json). Batch-1 decode steps with and without:
 // benchmarks/results/kernel-ab-far-prefetch.json.
 constexpr int64_t PF_FAR_BYTES = 4 * PF_BYTES;
+// Except fp32 panels in the narrow form (batch-1 decode): their lines are asked for 1 KB ahead into
+// L1 and 4 KB ahead into L2. An fp32 line feeds a single FMA, so it is used up four times as fast
+// as an int8 line, and the kernels' read probe reads 16% slower with its lines asked for 4 KB
+// ahead than 1 KB (benchmarks/results/xeon-amx/read-probe). In one process on an Intel Xeon,
+// decode steps against 4 KB and 16 KB ran 1.07x faster at full depth, 1.05x at 3x and 1.02x at 5x,
+// with controls (fp32 at 8 rows, int8) at 1.02x and 0.99x
+// (benchmarks/results/xeon-amx/kernel-ab-f32-near-prefetch.json). A first run of the same code read
+// 1.09x, 1.04x and 0.97x (-first-run.json): at 5x the weights a step reads mostly fit that host's
+// 480 MiB cache, where the far request is no loss. 1 KB alone, without the L2 request, ran 1.04x at
+// full depth and 1.03x at 3x (-l1-only.json).
+constexpr int64_t PF_F32_BYTES = 1024;
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
 
 // 16 weights of one panel row as two fp32 vectors: fp32 panels load directly;
@@ -280,9 +291,14 @@ SD_AVX512 static inline void micro_kernel512(const float* x, int64_t ldx, const 
   int64_t k = 0;
   for (; k + U <= kc; k += U)
     for (int u = 0; u < U; ++u) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_BYTES, _MM_HINT_T0);
-      if ((k + u) * NR * sizeof(W) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_FAR_BYTES, _MM_HINT_T1);
+      if constexpr (std::is_same<W, float>::value) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_F32_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + 4 * PF_F32_BYTES, _MM_HINT_T1);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_BYTES, _MM_HINT_T0);
+        if ((k + u) * NR * sizeof(W) % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_FAR_BYTES, _MM_HINT_T1);
+      }
       const __m512 wv = load_w16(w + (k + u) * NR);
       for (int r = 0; r < R; ++r) a[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), wv, a[u][r]);
     }
