@@ -53,8 +53,8 @@ constexpr int64_t PF_FAR_BYTES = 4 * PF_BYTES;
 // decode steps against 4 KB and 16 KB ran 1.07x faster at full depth, 1.05x at 3x and 1.02x at 5x,
 // with controls (fp32 at 8 rows, int8) at 1.02x and 0.99x
 // (benchmarks/results/xeon-amx/kernel-ab-f32-near-prefetch.json). A first run of the same code read
-// 1.09x, 1.04x and 0.97x (-first-run.json): at 5x the weights a step reads mostly fit that host's
-// 480 MiB cache, where the far request is no loss. 1 KB alone, without the L2 request, ran 1.04x at
+// 1.093x, 1.038x and 0.975x (-first-run.json): at 5x, where the weights a step reads mostly fit that
+// host's 480 MiB cache, the two runs differ in sign. 1 KB alone, without the L2 request, ran 1.04x at
 // full depth and 1.03x at 3x (-l1-only.json).
 constexpr int64_t PF_F32_BYTES = 1024;
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
