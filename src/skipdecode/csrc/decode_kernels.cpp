@@ -56,7 +56,7 @@ constexpr int64_t PF_FAR_BYTES = 4 * PF_BYTES;
 // 1.093x, 1.038x and 0.975x (-first-run.json): at 5x, where the weights a step reads mostly fit that
 // host's 480 MiB cache, the two runs differ in sign. 1 KB alone, without the L2 request, ran 1.04x at
 // full depth and 1.03x at 3x (-l1-only.json).
-constexpr int64_t PF_F32_BYTES = 1024;
+constexpr int64_t PF_F32_BYTES = 1024, PF_F32_FAR_BYTES = 4 * PF_F32_BYTES;
 constexpr int64_t KC = 256;  // K block: a 16 x 256 weight block (16 KB) stays in L1 across row blocks
 
 // 16 weights of one panel row as two fp32 vectors: fp32 panels load directly;
@@ -293,7 +293,7 @@ SD_AVX512 static inline void micro_kernel512(const float* x, int64_t ldx, const 
     for (int u = 0; u < U; ++u) {
       if constexpr (std::is_same<W, float>::value) {
         _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_F32_BYTES, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + 4 * PF_F32_BYTES, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_F32_FAR_BYTES, _MM_HINT_T1);
       } else {
         _mm_prefetch(reinterpret_cast<const char*>(w + (k + u) * NR) + PF_BYTES, _MM_HINT_T0);
         if ((k + u) * NR * sizeof(W) % 64 == 0)
