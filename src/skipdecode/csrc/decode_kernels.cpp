@@ -1855,6 +1855,7 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
       _tile_zero(2);
       _tile_zero(3);
     }
+    int round = 0;  // of the block's tile products
     for (int j = 0; j < L; ++j) {
       _tile_loadd(4, B + j * 512, 64);
       if (np == 2) _tile_loadd(5, B + (L + j) * 512, 64);
@@ -1866,33 +1867,29 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
         if (nrb == 2) _tile_dpbf16ps(1, 7, 4);
         if (np == 2) _tile_dpbf16ps(2, 6, 5);
         if (nrb == 2 && np == 2) _tile_dpbf16ps(3, 7, 5);
-        if constexpr (std::is_same<W, float>::value) {
-          // fp32 weights: the 64 lines of block b + 2 (both panels), a sixth of them after each of
-          // the block's six rounds of tile products (past the pair's last block, the next pair's
-          // first: the panels after these in memory). Asked for as the B tiles were made, 4 KB
-          // ahead, they came in one burst a block, and a profile at 32 rows had the making wait on
-          // those requests. Spread, decode steps at 32 rows ran 1.038x faster at full depth, 1.043x
-          // at 3x, 1.027x at 5x; bf16 (unchanged) 1.010x
-          // (benchmarks/results/xeon-amx/kernel-ab-f32-tiles-spread-prefetch.json).
-          const float* f = b + 2 < nb ? w + (b + 2) * AMXB_K * NR : w + np * wstride + (b + 2 - nb) * AMXB_K * NR;
-          const int s = j == 0 ? i : j == 1 ? 3 + i : 5;  // the round
-          for (int l = s * 11; l < std::min(64, (s + 1) * 11); ++l)
-            _mm_prefetch(reinterpret_cast<const char*>(f + (l / 32) * wstride + (l % 32) * 16), _MM_HINT_T0);
-        } else if constexpr (!std::is_same<W, uint16_t>::value) {
-          // int8 and int4 panels the same way over their three rounds, 4 KB ahead as they had
-          // asked for them (8 or 16 blocks): decode steps int8 1.089x faster at 8 rows and 1.051x
-          // at 32, int4 1.078x and 1.022x (xeon-amx/kernel-ab-tiles-spread-prefetch-int8-int4.json).
-          // bf16 panels keep their requests: spread, their steps at 32 rows ran 0.960x (4 blocks
-          // ahead) and 0.985x (2), at 8 rows 1.068x and 1.035x
-          // (kernel-ab-tiles-spread-prefetch-bf16-int8-int4.json, -bf16-2-blocks.json).
+        if constexpr (!std::is_same<W, uint16_t>::value) {
+          // The lines of the block PF_BYTES ahead (both panels), a share of them after each of this
+          // block's rounds of tile products (six with fp32 panels, three with int8 and int4; past
+          // the pair's last block, the next pair's first: the panels after these in memory). Asked
+          // for as the B tiles were made, they came in one burst a block, and a profile at 32 rows
+          // had the making wait on those requests. Spread, fp32 decode steps at 32 rows ran 1.038x
+          // faster at full depth, 1.043x at 3x, 1.027x at 5x; bf16 (unchanged) 1.010x
+          // (benchmarks/results/xeon-amx/kernel-ab-f32-tiles-spread-prefetch.json); int8 1.089x
+          // faster at 8 rows and 1.051x at 32, int4 1.078x and 1.022x
+          // (xeon-amx/kernel-ab-tiles-spread-prefetch-int8-int4.json). bf16 panels keep their
+          // requests: spread, their steps at 32 rows ran 0.960x (4 blocks ahead) and 0.985x (2), at
+          // 8 rows 1.068x and 1.035x (kernel-ab-tiles-spread-prefetch-bf16-int8-int4.json,
+          // -bf16-2-blocks.json).
           constexpr int64_t BB = AMXB_K * NR * sizeof(W) / (Q4 ? 2 : 1);  // bytes of a panel's block
-          constexpr int64_t D = 4096 / BB, LB = BB / 64, PER = (2 * LB + 2) / 3;
+          constexpr int64_t D = PF_BYTES / BB, LB = BB / 64, ROUNDS = L == 3 ? 6 : 3;
+          constexpr int64_t PER = (2 * LB + ROUNDS - 1) / ROUNDS;
           const char* base = reinterpret_cast<const char*>(w);
           const int64_t ps = wstride * static_cast<int64_t>(sizeof(W));
           const char* f = b + D < nb ? base + (b + D) * BB : base + np * ps + (b + D - nb) * BB;
-          for (int64_t l = i * PER; l < std::min<int64_t>(2 * LB, (i + 1) * PER); ++l)
+          for (int64_t l = round * PER; l < std::min<int64_t>(2 * LB, (round + 1) * PER); ++l)
             _mm_prefetch(f + (l / LB) * ps + (l % LB) * 64, _MM_HINT_T0);
         }
+        ++round;
       }
     }
     if (b + 1 < nb) amxb_block(w, wstride, np, (b + 1) * AMXB_K, bl[(b + 1) & 1]);
