@@ -414,7 +414,9 @@ def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512 F/BW/VL/DQ")
 def test_int4_panels_give_bitwise_identical_outputs_in_the_avx2_and_avx512_forms(k, fma_forms):
     """An AVX2-only CPU computes exactly what an AVX-512 one does with int4 weights: the same
-    masked-word conversions and FMA chains per column, 1 to 16 rows (the AVX-512 form runs two of
+    products (masked-word conversions on pre-scaled activations, or at one row the AVX-512 form's
+    table lookups on the activations as they are) and FMA chains per column, 1 to 16 rows (13 ends
+    in a block of one row; the AVX-512 form runs two of
     the AVX2 form's row blocks on one decode from 7 rows), K over several blocks of 256, codes at
     both ends (nibble 7 carries the word's sign bit) and activations with outliers."""
     g = _gen(12)

@@ -192,7 +192,8 @@ constexpr int64_t G4 = 32;
 // The masks that keep nibble j of each word in place.
 static inline int32_t nibble_mask(int j) { return static_cast<int32_t>(0xFu << (4 * j)); }
 
-// micro_kernel for int4 panels: x holds the pre-scaled activations (prescale_q4), sx each row's
+// micro_kernel for int4 panels: x holds the pre-scaled activations (prescale_q4; the AVX-512 form
+// below at one row takes them as they are), sx each row's
 // 8 * (sum of its x under nibbles 0-6) per group (row stride ldsx), w the block's first 8-k word
 // block ([kc / 8, 16] words), s its first group's 16 bf16 scales ([kc / G4, 16]); kc is a multiple
 // of G4. The running sums live in acc between groups, so only the group's U x R accumulator pairs
@@ -325,11 +326,23 @@ SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, in
   }
 }
 
-// int4 (layout above): one register per 8-k word block, so each weight row takes half the ANDs,
-// conversions and FMAs of the AVX2 form, in the same order per column: both forms give identical sums.
+// int4 (layout above): one register per 8-k word block. A nibble's weight comes from a table
+// lookup instead of the AVX2 form's AND and conversion: vpermps reads only the low 4 bits of each
+// index, so the word shifted right by 4 j picks nibble j's value out of a register of 0 .. 15
+// (nibble 7: of its two's complement values), and the FMA takes the activation as it is. Seven
+// shifts and eight lookups per word (one on the port that takes no FMA) against eight ANDs and
+// eight conversions. At one row, where that decode is most of the work, decode steps on an Intel
+// Xeon ran 1.01-1.06x faster at 1x, 3x and 5x, unchanged controls 0.98-0.99x
+// (benchmarks/results/xeon-amx/kernel-ab-int4-lookup.json). From 2 rows the FMAs are a larger share
+// and runs disagreed: at 2 rows 1.03-1.07x in one and 0.97-0.98x in another, at 3 rows 0.96-0.98x
+// (xeon-amx/kernel-ab-int4-lookup-every-row*.json, -two-rows*.json), so from 2 rows the AND and the
+// conversion stay, on pre-scaled activations. x q is the same product as the AVX2 form's
+// (x 16^-j)(q 16^j), the powers of two exact, so the FMAs add the same terms in the same order per
+// column: both forms give identical sums.
 // With R2 > 0 a second block of R2 rows (rows R .. R + R2 - 1 of x, sx, acc and y) takes each
 // decoded weight too: one decode for two of the AVX2 form's row blocks, each row summed exactly as
 // its own block's kernel sums it (its own U sets), so the bits do not change.
+constexpr int Q4_LOOKUP_ROWS = 1;
 constexpr int q4_sets(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 
 // One row block's running sums over an int4 group: U sets taking alternate k (enough FMA chains in
@@ -362,6 +375,10 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
                                                  const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
                                                  bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                                  const float* bias, const float* res) {
+  constexpr bool LOOKUP = R <= Q4_LOOKUP_ROWS && R2 == 0;
+  // the values of a nibble: q (nibbles 0-6), v in two's complement (nibble 7)
+  const __m512 tq = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+               t7 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   for (int64_t g = 0; g < kc; g += G4) {
     Q4Sums<R> a;
     Q4Sums<(R2 > 0 ? R2 : 1)> b;  // the second block's (used only with R2 > 0)
@@ -373,7 +390,9 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
       const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * 8));
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(nibble_mask(j))));
+        const __m512 wv =
+            LOOKUP ? _mm512_permutexvar_ps(j == 0 ? d : _mm512_srli_epi32(d, 4 * j), j == 7 ? t7 : tq)
+                   : _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(nibble_mask(j))));
         a.fma(x + k + j, ldx, j, wv);
         if constexpr (R2 > 0) b.fma(x + R * ldx + k + j, ldx, j, wv);
       }
@@ -717,16 +736,17 @@ void linear_panels(const float* xa, int64_t M, const W* wa, int64_t K, int64_t N
   });
 }
 
-// The activations of int4 panels, pre-scaled (layout above): x * 16^-(k mod 8), and per group of
-// G4 the 8 * sum of the x under nibbles 0-6 ([M, K / G4]).
-void prescale_q4(const float* x, int64_t M, int64_t K, std::vector<float>& xp, std::vector<float>& sx) {
+// The activations of int4 panels, pre-scaled (layout above; scaled: the AVX2 form's): x *
+// 16^-(k mod 8), and per group of G4 the 8 * sum of the x under nibbles 0-6 ([M, K / G4]).
+void prescale_q4(const float* x, int64_t M, int64_t K, std::vector<float>& xp, std::vector<float>& sx,
+                 bool scaled = true) {
   static const float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
-  xp.resize(M * K);
+  if (scaled) xp.resize(M * K);
   sx.resize(M * (K / G4));
   for (int64_t i = 0; i < M * K; i += G4) {
     float sum = 0.f;
     for (int64_t j = 0; j < G4; ++j) {
-      xp[i + j] = x[i + j] * f[j % 8];
+      if (scaled) xp[i + j] = x[i + j] * f[j % 8];
       if (j % 8 != 7) sum += x[i + j];
     }
     sx[i / G4] = 8.f * sum;
@@ -741,7 +761,7 @@ void prescale_q4(const float* x, int64_t M, int64_t K, std::vector<float>& xp, s
 void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
                       const float* ba, int64_t n, float* ya, const float* res) {
   std::vector<float> xp, sx;
-  prescale_q4(xa, M, K, xp, sx);
+  prescale_q4(xa, M, K, xp, sx, !g_avx512 || M > Q4_LOOKUP_ROWS);  // the lookup form takes x as it is
   const int64_t ng = K / G4;
   panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
                                                        float* acc) {
@@ -750,7 +770,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
     const bool first = k0 == 0, last = k0 + kc == K;
     const uint8_t* w = wa + (p * K + k0) * (NR / 2);  // [NP, K / 2, 16] bytes
     const uint16_t* s = sa + (p * ng + k0 / G4) * NR;
-    const float* xr = xp.data() + m * K + k0;
+    const float* xr = (g_avx512 && r <= Q4_LOOKUP_ROWS ? xa : xp.data()) + m * K + k0;
     const float* sr = sx.data() + m * ng + k0 / G4;
     if (g_avx512)
       row_block_q4_512(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
