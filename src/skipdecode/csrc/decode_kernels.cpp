@@ -337,8 +337,9 @@ SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, in
 // and runs disagreed: at 2 rows 1.03-1.07x in one and 0.97-0.98x in another, at 3 rows 0.96-0.98x
 // (xeon-amx/kernel-ab-int4-lookup-every-row*.json, -two-rows*.json), so from 2 rows the AND and the
 // conversion stay, on pre-scaled activations. x q is the same product as the AVX2 form's
-// (x 16^-j)(q 16^j), the powers of two exact, so the FMAs add the same terms in the same order per
-// column: both forms give identical sums.
+// (x 16^-j)(q 16^j), the powers of two exact (for |x| of at least 2^-98, where x 16^-7 stays a
+// normal float), so the FMAs add the same terms in the same order per column: both forms give
+// identical sums.
 // With R2 > 0 a second block of R2 rows (rows R .. R + R2 - 1 of x, sx, acc and y) takes each
 // decoded weight too: one decode for two of the AVX2 form's row blocks, each row summed exactly as
 // its own block's kernel sums it (its own U sets), so the bits do not change.
