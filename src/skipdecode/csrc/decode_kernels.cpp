@@ -344,6 +344,9 @@ SD_AVX512 void row_block512(int64_t r, const float* x, int64_t K, const W* w, in
 // decoded weight too: one decode for two of the AVX2 form's row blocks, each row summed exactly as
 // its own block's kernel sums it (its own U sets), so the bits do not change.
 constexpr int Q4_LOOKUP_ROWS = 1;
+// Whether the AVX-512 form takes a block of r rows by lookup (on x as it is) or by conversion (on
+// prescale_q4's scaled x): the kernel and the caller that hands it x ask the same question.
+constexpr bool q4_lookup(int64_t r) { return r <= Q4_LOOKUP_ROWS; }
 constexpr int q4_sets(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 
 // One row block's running sums over an int4 group: U sets taking alternate k (enough FMA chains in
@@ -376,7 +379,7 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
                                                  const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
                                                  bool first, bool last, float* y, int64_t ldy, int64_t ncols,
                                                  const float* bias, const float* res) {
-  constexpr bool LOOKUP = R <= Q4_LOOKUP_ROWS && R2 == 0;
+  constexpr bool LOOKUP = q4_lookup(R + R2);
   // the values of a nibble: q (nibbles 0-6), v in two's complement (nibble 7)
   const __m512 tq = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                t7 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
@@ -762,7 +765,8 @@ void prescale_q4(const float* x, int64_t M, int64_t K, std::vector<float>& xp, s
 void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, int64_t NP, const uint16_t* sa,
                       const float* ba, int64_t n, float* ya, const float* res) {
   std::vector<float> xp, sx;
-  prescale_q4(xa, M, K, xp, sx, !g_avx512 || M > Q4_LOOKUP_ROWS);  // the lookup form takes x as it is
+  // x scaled unless every row block takes the lookup (M itself within q4_lookup)
+  prescale_q4(xa, M, K, xp, sx, !g_avx512 || !q4_lookup(M));
   const int64_t ng = K / G4;
   panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
                                                        float* acc) {
@@ -771,7 +775,7 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
     const bool first = k0 == 0, last = k0 + kc == K;
     const uint8_t* w = wa + (p * K + k0) * (NR / 2);  // [NP, K / 2, 16] bytes
     const uint16_t* s = sa + (p * ng + k0 / G4) * NR;
-    const float* xr = (g_avx512 && r <= Q4_LOOKUP_ROWS ? xa : xp.data()) + m * K + k0;
+    const float* xr = (g_avx512 && q4_lookup(r) ? xa : xp.data()) + m * K + k0;
     const float* sr = sx.data() + m * ng + k0 / G4;
     if (g_avx512)
       row_block_q4_512(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
