@@ -309,6 +309,86 @@ def test_argmax_rows_equals_torch_argmax_with_ties_infinities_and_nans(k, vocab)
     assert torch.equal(k.argmax_rows(x[:, :]), torch.argmax(x, dim=-1))
 
 
+def _head_with_near_ties(V: int, K: int, seed: int) -> torch.Tensor:
+    """A random fp32 head whose rows include exact ties (a copy: the first id must win), a
+    permutation of a row (the same true product for a constant x, other rounding) and copies one
+    ulp apart in one weight: outputs that only the exact logits tell apart."""
+    w = torch.randn(V, K, generator=_gen(seed)) * 0.05
+    w[7] = w[3]
+    w[11] = w[3][torch.randperm(K, generator=_gen(seed + 1))]
+    w[12] = w[3]
+    w[12, 5] = torch.nextafter(w[3, 5], torch.tensor(1.0))
+    w[V - 1] = w[3]  # a tie with the last id: the tail of the vector loops
+    return w
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 31, 32, 33, 40])
+def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, isa, rows):
+    """kernels.greedy_head (a bf16 pass, then the exact logits of the ids it leaves in doubt) picks
+    what argmax_rows picks from the full fp32 head's logits, ties and near-ties included, in the
+    AVX2 and AVX-512 forms and at every row count (the tiles from 32 rows where present)."""
+    from skipdecode.model import head_bound
+
+    V, K = 1000, 96
+    w = _head_with_near_ties(V, K, rows)
+    P, A, c = kernels.pack_weight(w), kernels.pack_weight(w.bfloat16()), head_bound(w, w.bfloat16())
+    for x in (torch.randn(rows, K, generator=_gen(rows + 7)) * 3, torch.full((rows, K), 0.25)):
+        full = k.argmax_rows(k.linear(x, P, None, V, None, 0))
+        assert torch.equal(k.greedy_head(x, P, V, A, c, w), full)
+    x = torch.full((rows, K), 0.25)  # rows 3, 7, 11, 12 and V - 1 nearly or exactly tied at the top
+    x[:, 5] = 1.0
+    w2 = w.clone()
+    w2[3] = w2[3].abs() + 1.0
+    for i in (7, 12, V - 1):
+        w2[i] = w2[3]
+    w2[11] = w2[3][torch.randperm(K, generator=_gen(3))]
+    w2[12, 5] = torch.nextafter(w2[3, 5], torch.tensor(2.0))
+    P2, A2, c2 = kernels.pack_weight(w2), kernels.pack_weight(w2.bfloat16()), head_bound(w2, w2.bfloat16())
+    full = k.argmax_rows(k.linear(x, P2, None, V, None, 0))
+    assert torch.equal(k.greedy_head(x, P2, V, A2, c2, w2), full)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_head_bound_holds_for_inputs_along_the_rounding_itself(k, rows):
+    """head_bound's c_n bounds |bf16 pass - fp32 head| / ||x|| for every output, x random or x
+    along one row's rounding error (where Cauchy-Schwarz is tight), in the forms a call of
+    ``rows`` rows runs."""
+    from skipdecode.model import head_bound
+
+    V, K = 600, 576
+    w = torch.randn(V, K, generator=_gen(rows)) * 0.05
+    A, c = w.bfloat16(), head_bound(w, w.bfloat16())
+    x = torch.randn(rows, K, generator=_gen(rows + 1))
+    x[0] = (w[5] - A[5].float()) * 1e4
+    a = k.linear(x, kernels.pack_weight(A), None, V, None, 0).double()
+    z = k.linear(x, kernels.pack_weight(w), None, V, None, 0).double()
+    gap = (a - z).abs() / x.double().norm(dim=1, keepdim=True)
+    assert (gap <= c.double()).all()
+    assert gap[0, 5] > 0.5 * c[5]  # along row 5's own rounding the bound is nearly reached
+
+
+@needs_kernels
+def test_greedy_head_takes_the_full_head_where_the_bound_does_not_hold(k):
+    """Rows with a NaN, an all-zero row and logits past 1e30 take the full head: the same picks as
+    argmax_rows there (the first NaN, the first of equal logits)."""
+    from skipdecode.model import head_bound
+
+    V, K = 100, 32
+    w = torch.randn(V, K, generator=_gen(9))
+    P, A, c = kernels.pack_weight(w), kernels.pack_weight(w.bfloat16()), head_bound(w, w.bfloat16())
+    x = torch.randn(4, K, generator=_gen(10))
+    x[1, 3] = float("nan")
+    x[2] = 0.0
+    x[3] *= 1e30
+    assert torch.equal(k.greedy_head(x, P, V, A, c, w), k.argmax_rows(k.linear(x, P, None, V, None, 0)))
+    with pytest.raises(RuntimeError, match="bound must be"):
+        k.greedy_head(x, P, V, A, c[:-1], w)
+    with pytest.raises(RuntimeError, match="bfloat16 copy"):
+        k.greedy_head(x, P, V, P, c, w)
+
+
 @needs_kernels
 def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_models, tiny_packed):
     net = tiny_packed["llama"]
@@ -1102,6 +1182,29 @@ def test_native_greedy_steps_pick_the_tokens_of_python_steps_in_every_weight_dty
     finally:
         gen.DECODE_BURST = prev
     assert out[8] == out[1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 8])
+def test_native_greedy_steps_pick_the_same_tokens_from_the_fp32_heads_bf16_pass(rows):
+    """The embedded model's fp32 head keeps a bf16 copy (half its bytes) that greedy steps pick
+    from, with the exact logits of the ids it leaves in doubt: the tokens of the full head, at
+    full depth and at 3x."""
+    from skipdecode import LLM
+    from skipdecode.bench.decode import PROMPTS
+    from skipdecode.generate import generate_tokens
+
+    llm = LLM.load("default-e2e", dtype="float32")
+    net = llm.model
+    assert net.lm_head.approx is not None and net.native_greedy(rows) and net.greedy_approx
+    ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(rows)]
+    for speedup in (1.0, 3.0):
+        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=24)
+        out = {}
+        for on in (True, False):
+            net.greedy_approx = on
+            out[on] = [r.token_ids for r in generate_tokens(net, ids, sched, 24, eos_token_ids=())[0]]
+        assert out[True] == out[False]
 
 
 @needs_kernels

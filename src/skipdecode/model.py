@@ -141,6 +141,8 @@ class PackedLinear(nn.Module):
                 self.dense = (q.float() * sc.float()[:, None]).bfloat16()  # the same rounding, dequantized
         self.bias = None if linear.bias is None else linear.bias.detach().float()  # the kernels add fp32 bias
         self.bias_bf16 = None if self.bias is None else self.bias.bfloat16()  # torch's bf16 / int8 GEMMs
+        # an fp32 LM head's bf16 copy and head_bound, for greedy picks (Transformer.greedy_steps)
+        self.approx = self.approx_bound = None
 
     def uses_hand(self, rows: int) -> bool:
         """Whether a call with ``rows`` rows runs the compiled kernels (the fused decode layer needs it)."""
@@ -165,6 +167,20 @@ class PackedLinear(nn.Module):
         else:
             y = torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias_bf16, "none", [], "")
         return y.to(x.dtype)
+
+
+def head_bound(w: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """Per output ``n`` of an fp32 weight ``w [N, K]`` and its rounded copy ``approx``, a ``c_n``
+    with ``|approx_n . x - w_n . x| <= ||x||_2 c_n`` for every ``x``, each product as the compiled
+    kernels compute it (``kernels.greedy_head`` keeps every output this leaves in doubt).
+    ``||w_n - approx_n||_2`` bounds the rounding's share (Cauchy-Schwarz); fp32 summation of K
+    products, in any order or tile form, is off by at most about ``(K + 4) 2^-24 sum_k |x_k w_nk|``
+    on each side, and that sum is at most ``||x||_2 ||w_n||_2``: counted twice over, the whole 5%
+    over, plus 2^-40 for products the tile unit flushes to zero below fp32's normal range."""
+    wd, ad = w.double(), approx.double()
+    summed = 4 * (w.shape[1] + 4) * 2.0 ** -24 * torch.maximum(wd.norm(dim=1), ad.norm(dim=1))
+    c = 1.05 * ((wd - ad).norm(dim=1) + summed) + 2.0 ** -40
+    return torch.nextafter(c.float(), torch.tensor(float("inf")))  # float32, rounded up
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -482,6 +498,9 @@ class Transformer(nn.Module):
         self._stack_plan: tuple[bool, ...] = ()  # per row-count bucket: every layer fuses
         self._stack_layers: tuple = ()  # the blocks the stack was built from, in order
         self._rope_tables: dict = {}  # per dtype: _rope's values for positions 0..n-1 (_rope_lookup)
+        # greedy_steps picks from the fp32 head's bf16 copy where it has one (kernels.greedy_head);
+        # False: every logit from the fp32 head (the same picks, for timing one against the other)
+        self.greedy_approx = True
 
     @property
     def n_layers(self) -> int:
@@ -520,6 +539,11 @@ class Transformer(nn.Module):
         # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
         head = {"int4": "int8", "w4a8": "w8a8", "w4a16": "w8a16"}.get(weights, weights)
         self.lm_head = PackedLinear(self.lm_head, k, head)
+        if head == "float32" and self.lm_head.packed is not None and self.lm_head.bias is None:
+            w = self._head_rows.float().contiguous()  # the dense head (tied: the embedding), kept for drafts
+            self._head_rows = w
+            self.lm_head.approx = kernels.pack_weight(w.bfloat16())
+            self.lm_head.approx_bound = head_bound(w, w.bfloat16())
         if self.draft_head is not None:
             self.draft_head = PackedLinear(self.draft_head, k, head)
         for m in self.modules():
@@ -586,7 +610,7 @@ class Transformer(nn.Module):
         arena on 2 MB pages (``kernels.huge_page_arena``): the same bytes, fewer TLB misses."""
         linears = [getattr(b, n) for b in self.layers for n in BLOCK_LINEARS]
         linears += [m for m in (self.lm_head, self.draft_head) if m is not None]
-        slots = [(m, a) for m in linears if isinstance(m, PackedLinear) for a in ("packed", "panel_scales")
+        slots = [(m, a) for m in linears if isinstance(m, PackedLinear) for a in ("packed", "panel_scales", "approx")
                  if getattr(m, a) is not None]
         for (m, a), t in zip(slots, kernels.huge_page_arena([getattr(m, a) for m, a in slots])):
             setattr(m, a, t)
@@ -790,11 +814,15 @@ class Transformer(nn.Module):
         self._rope_lookup(pos + len(step_layers), torch.float32)  # grows the tables to the last position
         cos, sin = self._rope_tables[torch.float32][2:]
         head = self.lm_head
+        # an fp32 head picks from its bf16 copy and the few exact logits that leaves in doubt (the same
+        # picks, half the head's bytes); a build of the kernels without greedy_head takes the full head
+        approx = {"head_approx": head.approx, "head_bound": head.approx_bound, "head_rows": self._head_rows} \
+            if self.greedy_approx and head.approx is not None and hasattr(self._stack_kernels, "greedy_head") else {}
         out = self._stack.greedy(torch.tensor(list(tokens), dtype=torch.long), pos, [list(l) for l in step_layers],
                                  [p[0] for p in pools], [p[1] for p in pools], starts, self.tok_emb.weight.detach(),
                                  cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1),
                                  self.norm.weight.detach(), self.norm.eps, head.packed, head.bias,
-                                 head.out_features, head.panel_scales, head.a8, list(eos))
+                                 head.out_features, head.panel_scales, head.a8, list(eos), **approx)
         return out.tolist()
 
     def draft_logits(self, h: torch.Tensor, extra: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -2633,6 +2633,100 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// ---- Greedy picks from a bf16 pass over an fp32 LM head. The head is about a fifth of the bytes
+// a decode step of a small model reads (SmolLM2-135M: 113 of 540 MB), and a greedy step needs only
+// each row's argmax. approx holds the head's weights rounded to bf16 (half the bytes) and bound
+// [V] a c_n with |approx_n(x) - head_n(x)| <= ||x||_2 c_n for every x, whatever form computes either
+// (model.head_bound: the rounding's own norm plus fp32 summation). So a row's argmax over the exact
+// logits lies among the n with a_n + B_n >= max_m (a_m - B_m), B_n = ||x||_2 c_n: on default-e2e a
+// handful of token ids (one or two per step typically). Their exact logits are the head's own:
+// their fp32 rows (rows [V, K], the dense weight the panels were packed from) packed into panels
+// and run through the same linear at the same row count, which picks its form by rows and K alone,
+// so each logit is the bits the full head gives it, and the pick is argmax_rows' (the first
+// maximal id). Rows with a non-finite approximate logit, or more than GREEDY_HEAD_MAX_IDS ids in
+// all, take the full head.
+constexpr int64_t GREEDY_HEAD_MAX_IDS = 4096;
+
+torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int64_t vocab, const torch::Tensor& approx,
+                          const torch::Tensor& bound, const torch::Tensor& rows) {
+  check(h.scalar_type() == torch::kFloat, "float32 only");
+  const int64_t K = h.size(-1), V = vocab;
+  check(head.scalar_type() == torch::kFloat && approx.scalar_type() == torch::kBFloat16,
+        "greedy_head takes float32 head panels and their bfloat16 copy");
+  check_packed(head, K, V, c10::nullopt, c10::nullopt);
+  check_packed(approx, K, V, c10::nullopt, c10::nullopt);
+  check(bound.scalar_type() == torch::kFloat && bound.dim() == 1 && bound.size(0) == V && bound.is_contiguous(),
+        "bound must be [vocab] float32");
+  check(rows.scalar_type() == torch::kFloat && rows.dim() == 2 && rows.size(0) == V && rows.size(1) == K &&
+        rows.is_contiguous(), "rows must be the head's dense [vocab, in_features] float32 weight");
+  const auto x = h.reshape({-1, K}).contiguous();
+  const int64_t R = x.size(0);
+  const auto a = linear(x, approx, c10::nullopt, V, c10::nullopt, A_FP32);
+  const float* aa = a.data_ptr<float>();
+  const float* ca = bound.data_ptr<float>();
+  std::vector<std::vector<int64_t>> ids(R);
+  std::vector<char> bad(R, 0);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x.data_ptr<float>() + r * K;
+      double ss = 0.0;
+      for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
+      const float nx = static_cast<float>(std::sqrt(ss) * (1.0 + 1e-6));  // rounded up past fp32's rounding
+      const float* ar = aa + r * V;
+      const __m256 n8 = _mm256_set1_ps(nx), huge = _mm256_set1_ps(1e30f), sign = _mm256_set1_ps(-0.f);
+      __m256 lo = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), off = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= V; i += 8) {  // the largest a_m - B_m; any a_m not finite (or past 1e30) marks the row
+        const __m256 av = _mm256_loadu_ps(ar + i);
+        lo = _mm256_max_ps(lo, _mm256_sub_ps(av, _mm256_mul_ps(n8, _mm256_loadu_ps(ca + i))));
+        off = _mm256_or_ps(off, _mm256_cmp_ps(_mm256_andnot_ps(sign, av), huge, _CMP_NLT_UQ));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, lo);
+      float t = -std::numeric_limits<float>::infinity();
+      for (float l : lanes) t = std::max(t, l);
+      bool b = _mm256_movemask_ps(off) != 0 || !(nx >= 0x1p-60f) || !std::isfinite(nx);  // bound's range
+      for (; i < V; ++i) {
+        b = b || !(std::fabs(ar[i]) < 1e30f);
+        t = std::max(t, ar[i] - nx * ca[i]);
+      }
+      if (b || !std::isfinite(t)) {
+        bad[r] = 1;
+        continue;
+      }
+      t -= 0x1p-20f * std::fabs(t);  // past the rounding of a_n +- B_n
+      const __m256 t8 = _mm256_set1_ps(t);
+      for (i = 0; i + 8 <= V; i += 8) {
+        const __m256 up = _mm256_add_ps(_mm256_loadu_ps(ar + i), _mm256_mul_ps(n8, _mm256_loadu_ps(ca + i)));
+        for (int bits = _mm256_movemask_ps(_mm256_cmp_ps(up, t8, _CMP_GE_OQ)); bits; bits &= bits - 1)
+          ids[r].push_back(i + __builtin_ctz(bits));
+      }
+      for (; i < V; ++i)
+        if (ar[i] + nx * ca[i] >= t) ids[r].push_back(i);
+    }
+  });
+  std::vector<int64_t> all;
+  for (int64_t r = 0; r < R; ++r) all.insert(all.end(), ids[r].begin(), ids[r].end());
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  const int64_t C = static_cast<int64_t>(all.size());
+  if (std::any_of(bad.begin(), bad.end(), [](char c) { return c != 0; }) || C == 0 || C > GREEDY_HEAD_MAX_IDS)
+    return argmax_rows(linear(x, head, c10::nullopt, V, c10::nullopt, A_FP32).view({R, V}));
+  auto panels = torch::zeros({(C + NR - 1) / NR, K, NR}, x.options());
+  float* pa = panels.data_ptr<float>();
+  const float* wa = rows.data_ptr<float>();
+  for (int64_t j = 0; j < C; ++j) {
+    const float* src = wa + all[j] * K;
+    float* dst = pa + (j / NR) * K * NR + j % NR;
+    for (int64_t k = 0; k < K; ++k) dst[k * NR] = src[k];
+  }
+  const auto z = linear(x, panels, c10::nullopt, C, c10::nullopt, A_FP32);
+  const auto pick = argmax_rows(z.view({R, C}));
+  auto out = torch::empty({R}, torch::kLong);
+  for (int64_t r = 0; r < R; ++r) out.data_ptr<int64_t>()[r] = all[pick.data_ptr<int64_t>()[r]];
+  return out;
+}
+
 // One fused layer's fixed arguments: its norms' weights, its four linears' panels, biases and
 // scales, its query heads and attention scale, and how its linears take their activations.
 struct FusedLayer {
@@ -2824,7 +2918,8 @@ struct LayerStack {
   // [V, D]), at its position (pos, its RoPE rows of cos / sin [P, hd]), through the layers
   // step_layers[s] (run's loop: every row, slots (starts[l, row], pos + 1) of pools[l]), the final
   // RMSNorm (norm_w, eps), the LM head (linear's panels: head, head_bias, vocab, head_scale, a8) and
-  // each row's argmax, which the next step feeds at pos + 1. The same calls as a Python step, so the
+  // each row's argmax (greedy_head's where head_approx, head_bound and head_rows are given: the
+  // same picks), which the next step feeds at pos + 1. The same calls as a Python step, so the
   // same tokens; what it saves is the Python between them, which after each step's weight stream
   // runs on cold caches. Returns the tokens [steps run, R]; it stops after a step in which a row
   // picked one of eos. Bound without the GIL (a burst holds the CPU for many steps; ATen needs no GIL).
@@ -2833,12 +2928,17 @@ struct LayerStack {
                        const std::vector<torch::Tensor>& vpools, const torch::Tensor& starts, const torch::Tensor& emb,
                        const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm_w, double eps,
                        const torch::Tensor& head, const c10::optional<torch::Tensor>& head_bias, int64_t vocab,
-                       const c10::optional<torch::Tensor>& head_scale, int64_t a8, const std::vector<int64_t>& eos) {
+                       const c10::optional<torch::Tensor>& head_scale, int64_t a8, const std::vector<int64_t>& eos,
+                       const c10::optional<torch::Tensor>& head_approx, const c10::optional<torch::Tensor>& head_bound,
+                       const c10::optional<torch::Tensor>& head_rows) {
     const int64_t L = static_cast<int64_t>(layers.size()), S = static_cast<int64_t>(step_layers.size());
     check(tokens.scalar_type() == torch::kLong && tokens.dim() == 1 && positions.sizes() == tokens.sizes() &&
           positions.scalar_type() == torch::kLong, "greedy takes tokens and positions as [R] int64");
     const int64_t R = tokens.size(0);
     check(R >= 1, "greedy needs at least one row");
+    check(head_approx.has_value() == head_bound.has_value() && head_approx.has_value() == head_rows.has_value() &&
+          (!head_approx.has_value() || (!head_bias.has_value() && a8 == A_FP32)),
+          "head_approx, head_bound and head_rows come together, for an fp32 head without bias");
     check(static_cast<int64_t>(kpools.size()) == L && static_cast<int64_t>(vpools.size()) == L,
           "greedy takes every layer's key and value pool");
     check(starts.scalar_type() == torch::kLong && starts.dim() == 2 && starts.size(0) == L && starts.size(1) == R,
@@ -2879,8 +2979,10 @@ struct LayerStack {
         rw.push_back(rows[l]);
       }
       const auto h = run(x, ids, std::vector<int64_t>(ids.size(), R), kp, vp, rw, c, sn);
-      const auto logits = linear(rms_norm(h, norm_w, eps), head, head_bias, vocab, head_scale, a8);
-      const auto pick = argmax_rows(logits.view({R, vocab}));
+      const auto hn = rms_norm(h, norm_w, eps);
+      const auto pick = head_approx.has_value()
+                            ? greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows)
+                            : argmax_rows(linear(hn, head, head_bias, vocab, head_scale, a8).view({R, vocab}));
       bool stop = false;
       for (int64_t r = 0; r < R; ++r) {
         tok[r] = pick.data_ptr<int64_t>()[r];
@@ -3056,6 +3158,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
         py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
+  m.def("greedy_head", &greedy_head, "argmax of an fp32 LM head's logits per row, from a bf16 pass and the few "
+        "exact logits it leaves in doubt", py::arg("h"), py::arg("head"), py::arg("vocab"), py::arg("approx"),
+        py::arg("bound"), py::arg("rows"));
   m.def("decode_block", &decode_block, "one pre-norm Llama-family layer, one decode position per row, on a KV pool",
         py::arg("x"), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"),
         py::arg("wo"), py::arg("bo"), py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("kpool"),
@@ -3079,6 +3184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("tokens"), py::arg("positions"), py::arg("step_layers"), py::arg("kpools"), py::arg("vpools"),
            py::arg("starts"), py::arg("emb"), py::arg("cos"), py::arg("sin"), py::arg("norm_w"), py::arg("eps"),
            py::arg("head"), py::arg("head_bias"), py::arg("vocab"), py::arg("head_scale"), py::arg("a8"),
-           py::arg("eos"), py::call_guard<py::gil_scoped_release>())
+           py::arg("eos"), py::arg("head_approx") = py::none(), py::arg("head_bound") = py::none(),
+           py::arg("head_rows") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("__len__", [](const LayerStack& s) { return s.layers.size(); });
 }
