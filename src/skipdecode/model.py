@@ -175,11 +175,13 @@ def head_bound(w: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
     kernels compute it (``kernels.greedy_head`` keeps every output this leaves in doubt).
     ``||w_n - approx_n||_2`` bounds the rounding's share (Cauchy-Schwarz); fp32 summation of K
     products, in any order or tile form, is off by at most about ``(K + 4) 2^-24 sum_k |x_k w_nk|``
-    on each side, and that sum is at most ``||x||_2 ||w_n||_2``: counted twice over, the whole 5%
-    over, plus 2^-40 for products the tile unit flushes to zero below fp32's normal range."""
+    on each side, and that sum is at most ``||x||_2 ||w_n||_2``: counted twice over. On the tile
+    unit the approximate side takes x's top bf16 half alone, off by under 2^-7 |x_k| each:
+    ``2^-7 ||x||_2 ||approx_n||_2`` more. The whole 5% over, plus 2^-40 for products the tile unit
+    flushes to zero below fp32's normal range."""
     wd, ad = w.double(), approx.double()
     summed = 4 * (w.shape[1] + 4) * 2.0 ** -24 * torch.maximum(wd.norm(dim=1), ad.norm(dim=1))
-    c = 1.05 * ((wd - ad).norm(dim=1) + summed) + 2.0 ** -40
+    c = 1.05 * ((wd - ad).norm(dim=1) + summed + 2.0 ** -7 * ad.norm(dim=1)) + 2.0 ** -40
     return torch.nextafter(c.float(), torch.tensor(float("inf")))  # float32, rounded up
 
 

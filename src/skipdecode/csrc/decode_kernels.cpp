@@ -1847,8 +1847,8 @@ SD_AMXBF16 static inline void amxb_block(const W* w, int64_t wstride, int64_t np
 // products of this one are issued. fp32, bf16 and int8 panels keep their sums in the tiles over all
 // of K; int4 panels (gs: group scales) sum one block in the tiles, which go through tmp to acc
 // times the block's scales (an fp32 FMA per row and panel), or, RS > 0 (up to RS rows), to
-// registers.
-template <typename W, int RS = 0>
+// registers. XL 1: x's first limb alone (its top bf16 half; greedy_head's approximate pass).
+template <typename W, int RS = 0, int XL = 3>
 SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h, int64_t nrb, int64_t K, const W* w,
                           int64_t wstride, const uint16_t* gs, int64_t gstride, int64_t np, float* acc) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
@@ -1884,7 +1884,7 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
     for (int j = 0; j < L; ++j) {
       _tile_loadd(4, B + j * 512, 64);
       if (np == 2) _tile_loadd(5, B + (L + j) * 512, 64);
-      for (int i = 0; i + j <= 2; ++i) {
+      for (int i = 0; i + j <= 2 && i < XL; ++i) {
         const uint16_t* a = xl + ((b * 3 + i) * Mp + m0) * AMXB_K;
         _tile_loadd(6, a, AMXB_K * 2);
         if (nrb == 2) _tile_loadd(7, a + h * AMXB_K, AMXB_K * 2);
@@ -1956,8 +1956,9 @@ SD_AMXBF16 void amxb_rows(const uint16_t* xl, int64_t Mp, int64_t m0, int64_t h,
 
 // y = x @ W^T (+ bias) (+ res) on the tile unit, any panel dtype (sa: int8 column scales; gs: int4
 // group scales): threads take pairs of panels; rows in groups of up to two row blocks of at most 16
-// (as even as they can be), each group running over all of K with its sums in the tiles.
-template <typename W>
+// (as even as they can be), each group running over all of K with its sums in the tiles. XL: as
+// amxb_rows's.
+template <typename W, int XL = 3>
 void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t NP, const float* sa,
                      const uint16_t* gs, const float* ba, int64_t n, float* ya, const float* res) {
   constexpr bool Q4 = std::is_same<W, uint8_t>::value;
@@ -1982,7 +1983,7 @@ void linear_amx_bf16(const float* xa, int64_t M, const W* wa, int64_t K, int64_t
           if (Q4 && gb * h <= 8)  // 16 registers hold the int4 sums of two panels
             amxb_rows<W, Q4 ? 8 : 0>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
           else
-            amxb_rows(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
+            amxb_rows<W, 0, XL>(xl, Mp, m0, h, gb, K, wa + p * wstride, wstride, g4, gstride, np, acc);
           for (int64_t q = 0; q < np; ++q)
             store_rows(rows, acc + q * gb * h * NR, ya + m0 * n + (p + q) * NR, n,
                        std::min(NR, n - (p + q) * NR), sa ? sa + (p + q) * NR : nullptr,
@@ -2637,7 +2638,10 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // a decode step of a small model reads (SmolLM2-135M: 113 of 540 MB), and a greedy step needs only
 // each row's argmax. approx holds the head's weights rounded to bf16 (half the bytes) and bound
 // [V] a c_n with |approx_n(x) - head_n(x)| <= ||x||_2 c_n for every x, whatever form computes either
-// (model.head_bound: the rounding's own norm plus fp32 summation). So a row's argmax over the exact
+// (model.head_bound: the rounding's own norm, fp32 summation, and on the tiles x cut to its top bf16
+// half, which takes a third of the tile products x's three limbs would: on an Intel Xeon fp32 steps
+// 1.024x faster at 32 rows, 1.032x at 8 rows and 3x, 1.00x at 8 rows at full depth,
+// benchmarks/results/xeon-amx/kernel-ab-greedy-head-one-limb.json). So a row's argmax over the exact
 // logits lies among the n with a_n + B_n >= max_m (a_m - B_m), B_n = ||x||_2 c_n: on default-e2e a
 // handful of token ids (one or two per step typically). Their exact logits are the head's own:
 // their fp32 rows (rows [V, K], the dense weight the panels were packed from) packed into panels
@@ -2661,7 +2665,13 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
         rows.is_contiguous(), "rows must be the head's dense [vocab, in_features] float32 weight");
   const auto x = h.reshape({-1, K}).contiguous();
   const int64_t R = x.size(0);
-  const auto a = linear(x, approx, c10::nullopt, V, c10::nullopt, A_FP32);
+  auto a = torch::empty({R, V}, x.options());  // on the tiles, x's top bf16 half alone (head_bound counts it)
+  const int64_t amx = amx_bf16_min_rows(torch::kBFloat16);
+  if (amx && R >= amx && K % AMXB_K == 0)
+    linear_amx_bf16<uint16_t, 1>(x.data_ptr<float>(), R, reinterpret_cast<const uint16_t*>(approx.data_ptr<at::BFloat16>()),
+                                 K, approx.size(0), nullptr, nullptr, nullptr, V, a.data_ptr<float>(), nullptr);
+  else
+    linear_into(x.data_ptr<float>(), R, approx, c10::nullopt, nullptr, V, a.data_ptr<float>(), nullptr, A_FP32);
   const float* aa = a.data_ptr<float>();
   const float* ca = bound.data_ptr<float>();
   std::vector<std::vector<int64_t>> ids(R);
