@@ -6,7 +6,8 @@ copy's error bound leaves in doubt (``model.head_bound``); ``greedy_approx = Fal
 logit from the fp32 head. The two must give the same tokens (the run stops if they do not). This
 times both on ``default-e2e`` (fp32, 64 greedy tokens, the bench's E2E prompts, best of
 interleaved rounds with the order alternating) at each row count and speedup, and counts how many
-token ids each step's bf16 pass left in doubt (from the Python form of the same pick).
+token ids each step's bf16 pass left in doubt (from the Python form of the same pick: the bf16
+copy on x as it is, where the tiles take x's top bf16 half, so the count is close, not exact).
 Run from the repository root:
     .venv/bin/python benchmarks/greedy_head_ab.py [OUT.json] [--rows 1,8,32] [--speedups 1,3]
 """
@@ -38,7 +39,7 @@ def option(args: list[str], flag: str, default: str) -> str:
 
 def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
     """Per decode step of one greedy run, how many token ids the bf16 pass left in doubt over all
-    rows (greedy_head's candidates, recomputed here in float64 from the same pass)."""
+    rows (greedy_head's candidates, recomputed here in float64 from the bf16 copy and head_bound)."""
     head, k = net.lm_head, net.kernels
     counts = []
     real = net.head
