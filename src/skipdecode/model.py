@@ -179,10 +179,13 @@ def head_bound(w: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
     unit the approximate side takes x's top bf16 half alone, off by under 2^-7 |x_k| each:
     ``2^-7 ||x||_2 ||approx_n||_2`` more. The whole 5% over, plus 2^-40 for products the tile unit
     flushes to zero below fp32's normal range."""
-    wd, ad = w.double(), approx.double()
-    summed = 4 * (w.shape[1] + 4) * 2.0 ** -24 * torch.maximum(wd.norm(dim=1), ad.norm(dim=1))
-    c = 1.05 * ((wd - ad).norm(dim=1) + summed + 2.0 ** -7 * ad.norm(dim=1)) + 2.0 ** -40
-    return torch.nextafter(c.float(), torch.tensor(float("inf")))  # float32, rounded up
+    out = torch.empty(w.shape[0])
+    for i in range(0, w.shape[0], 4096):  # in float64, a block of rows at a time (not three copies of w)
+        wd, ad = w[i:i + 4096].double(), approx[i:i + 4096].double()
+        summed = 4 * (w.shape[1] + 4) * 2.0 ** -24 * torch.maximum(wd.norm(dim=1), ad.norm(dim=1))
+        c = 1.05 * ((wd - ad).norm(dim=1) + summed + 2.0 ** -7 * ad.norm(dim=1)) + 2.0 ** -40
+        out[i:i + 4096] = torch.nextafter(c.float(), torch.tensor(float("inf")))  # float32, rounded up
+    return out
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,8 +547,8 @@ class Transformer(nn.Module):
         if head == "float32" and self.lm_head.packed is not None and self.lm_head.bias is None:
             w = self._head_rows.float().contiguous()  # the dense head (tied: the embedding), kept for drafts
             self._head_rows = w
-            self.lm_head.approx = kernels.pack_weight(w.bfloat16())
-            self.lm_head.approx_bound = head_bound(w, w.bfloat16())
+            hi = w.bfloat16()
+            self.lm_head.approx, self.lm_head.approx_bound = kernels.pack_weight(hi), head_bound(w, hi)
         if self.draft_head is not None:
             self.draft_head = PackedLinear(self.draft_head, k, head)
         for m in self.modules():
