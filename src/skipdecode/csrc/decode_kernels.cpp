@@ -2642,13 +2642,15 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // half, which takes a third of the tile products x's three limbs would: on an Intel Xeon fp32 steps
 // 1.024x faster at 32 rows, 1.032x at 8 rows and 3x, 1.00x at 8 rows at full depth,
 // benchmarks/results/xeon-amx/kernel-ab-greedy-head-one-limb.json). So a row's argmax over the exact
-// logits lies among the n with a_n + B_n >= max_m (a_m - B_m), B_n = ||x||_2 c_n: on default-e2e a
-// handful of token ids (one or two per step typically). Their exact logits are the head's own:
+// logits lies among the n with a_n + B_n >= max_m (a_m - B_m), B_n = ||x||_2 c_n: on default-e2e
+// about 2 token ids a step at one row and 12-21 over 8 rows on average, 48 at most
+// (benchmarks/results/xeon-amx/greedy-head-ab.json). Their exact logits are the head's own:
 // their fp32 rows (rows [V, K], the dense weight the panels were packed from) packed into panels
 // and run through the same linear at the same row count, which picks its form by rows and K alone,
 // so each logit is the bits the full head gives it, and the pick is argmax_rows' (the first
-// maximal id). Rows with a non-finite approximate logit, or more than GREEDY_HEAD_MAX_IDS ids in
-// all, take the full head.
+// maximal id). A call with a row whose approximate logits are not all finite (or past 1e30), or
+// whose x is all but zero, or with more than GREEDY_HEAD_MAX_IDS ids in doubt in all, takes the
+// full head.
 constexpr int64_t GREEDY_HEAD_MAX_IDS = 4096;
 
 torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int64_t vocab, const torch::Tensor& approx,
