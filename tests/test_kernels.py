@@ -327,7 +327,8 @@ def _head_with_near_ties(V: int, K: int, seed: int) -> torch.Tensor:
 def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, isa, rows):
     """kernels.greedy_head (a bf16 pass, then the exact logits of the ids it leaves in doubt) picks
     what argmax_rows picks from the full fp32 head's logits, ties and near-ties included, in the
-    AVX2 and AVX-512 forms and at every row count (the tiles from 32 rows where present)."""
+    AVX2 and AVX-512 forms and at every row count (where the tiles are present, the bf16 pass runs
+    on them from 8 rows and the fp32 head from 32)."""
     from skipdecode.model import head_bound
 
     V, K = 1000, 96
