@@ -20,21 +20,10 @@ from pathlib import Path
 
 import torch
 
+from kernel_ab import NEW_TOKENS, ROUNDS, ab_model, pop_option  # the same timing and options
 from skipdecode import LLM, kernels
 from skipdecode.bench.decode import PROMPTS, machine_info
 from skipdecode.generate import generate_tokens
-
-NEW_TOKENS, ROUNDS = 64, 8
-
-
-def option(args: list[str], flag: str, default: str) -> str:
-    """The value of ``flag VALUE`` in ``args`` (removed from them), else ``default``."""
-    if flag not in args:
-        return default
-    i = args.index(flag)
-    value = args[i + 1]
-    del args[i:i + 2]
-    return value
 
 
 def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
@@ -68,8 +57,8 @@ def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
 
 def main() -> None:
     args = sys.argv[1:]
-    rows = [int(r) for r in option(args, "--rows", "1,8,32").split(",")]
-    speedups = [float(s) for s in option(args, "--speedups", "1,3").split(",")]
+    rows = [int(r) for r in (pop_option(args, "--rows") or "1,8,32").split(",")]
+    speedups = [float(s) for s in (pop_option(args, "--speedups") or "1,3").split(",")]
     out = Path(args[0]) if args else Path("benchmarks/results/greedy-head-ab.json")
     llm = LLM.load("default-e2e", dtype="float32")
     net = llm.model
@@ -82,21 +71,14 @@ def main() -> None:
             raise SystemExit(f"{b} rows do not run the native greedy loop here")
         for sp in speedups:
             sched = llm.make_schedule(speedup=sp, expected_new_tokens=NEW_TOKENS)
-            best, tokens = {True: float("inf"), False: float("inf")}, {}
-            for rnd in range(ROUNDS + 1):  # the first round warms up
-                for on in ((True, False) if rnd % 2 else (False, True)):
-                    net.greedy_approx = on
-                    toks, st = generate_tokens(net, ids, sched, NEW_TOKENS, eos_token_ids=())
-                    tokens[on] = [r.token_ids for r in toks]
-                    if rnd:
-                        best[on] = min(best[on], st["decode_seconds"] / (NEW_TOKENS - 1) * 1e3)
+            # interleaved rounds after a warm-up, order alternating; stops if the two pick other tokens
+            best, _ = ab_model(net, lambda m, on: setattr(m, "greedy_approx", on), {"full": False, "bf16": True},
+                               ids, sched, f"{b} rows at {sp:g}x")
             net.greedy_approx = True
-            if tokens[True] != tokens[False]:
-                raise SystemExit(f"{b} rows at {sp:g}x: the bf16 pass picked other tokens than the full head")
             doubt = ids_in_doubt(net, ids, sched)
-            r = {"rows": b, "speedup": sp, "ms_per_step_full_head": round(best[False], 3),
-                 "ms_per_step_bf16_pass": round(best[True], 3),
-                 "full_over_bf16_pass": round(best[False] / best[True], 3), "same_tokens": True,
+            r = {"rows": b, "speedup": sp, "ms_per_step_full_head": round(best["full"], 3),
+                 "ms_per_step_bf16_pass": round(best["bf16"], 3),
+                 "full_over_bf16_pass": round(best["full"] / best["bf16"], 3), "same_tokens": True,
                  "ids_in_doubt_per_step": {"mean": round(sum(doubt) / len(doubt), 2), "max": max(doubt)}}
             results.append(r)
             print(json.dumps(r), flush=True)
