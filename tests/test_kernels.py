@@ -1215,6 +1215,46 @@ def test_native_greedy_steps_pick_the_same_tokens_from_the_fp32_heads_bf16_pass(
 
 
 @needs_kernels
+def test_greedy_steps_pick_from_the_bf16_pass_where_it_was_measured_no_slower_than_onednn(
+        k, tiny_dirs, monkeypatch, tmp_path):
+    """Where an fp32 head's plan has oneDNN (the full product), greedy steps still take the native
+    loop and the bf16 pass at the buckets where dispatch.greedy_head_plan timed that pass no slower
+    than oneDNN's product and argmax (an AVX2 CPU's 2 and 8 rows, say), and the tokens are those of
+    Python steps on oneDNN. Untimed, the plan alone decides, as before."""
+    from skipdecode import dispatch
+    from skipdecode.checkpoint import load_model
+    from skipdecode.generate import generate_tokens
+    from skipdecode.schedule import SkipSchedule
+
+    plan = ("hand", "onednn", "hand", "onednn", "onednn", "onednn", "onednn", "onednn")
+    assert dispatch.greedy_head_plan(64, 32, k, plan) == tuple(p == "hand" for p in plan)  # untimed
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
+    n = len(dispatch.BUCKETS)
+    monkeypatch.setattr(dispatch, "time_greedy_head", lambda *a, **kw: {
+        "greedy": [1.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0, 5.0], "onednn": [3.0, 3.0, 3.0, 2.0, 4.0, 4.0, 6.0, 4.0]})
+    dispatch._TUNED.clear()
+    got = dispatch.greedy_head_plan(64, 32, k, plan)
+    assert got == (True, True, True, True, False, False, True, False) and len(got) == n
+    assert json.loads((tmp_path / "autotune.json").read_text())  # measured once, kept for the next process
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
+
+    net = load_model(tiny_dirs["llama"])[0].pack_for_inference()
+    head = net.lm_head
+    assert head.approx is not None and head.onednn is not None
+    head.plan = tuple("onednn" for _ in dispatch.BUCKETS)  # the full product on oneDNN at every bucket
+    g = _gen(43)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    sched = SkipSchedule.for_speedup(2.0, 16, net.n_layers)
+    out = {}
+    for picks in (False, True):
+        head.greedy_plan = tuple(picks for _ in dispatch.BUCKETS)
+        assert net.native_greedy(3) == picks
+        out[picks] = [r.token_ids for r in generate_tokens(net, prompts, sched, 16)[0]]
+    assert out[True] == out[False]
+
+
+@needs_kernels
 def test_native_greedy_steps_refuse_tokens_and_positions_outside_the_model(tiny_packed):
     """A bad token id or a position past the RoPE tables is a clear error, not a read outside them."""
     net = tiny_packed["llama"]

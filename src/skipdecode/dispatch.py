@@ -329,6 +329,56 @@ def plan_for(out_features: int, in_features: int, kernel_module, weights: str = 
     return tuple(tune(out_features, in_features, kernel_module, weights)["plan"])
 
 
+def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: int = 5) -> dict[str, list[float]]:
+    """Seconds per greedy pick of an fp32 LM head of this shape at every bucket's row count, each
+    form with its argmax: ``greedy`` (``kernels.greedy_head``: the bf16 copy's pass and the exact
+    logits it leaves in doubt) and ``onednn`` (the full fp32 product). Timed cold, as ``time_forms``
+    times a head: each call follows a read of 1.5x the last-level cache."""
+    from . import kernels
+    from .model import head_bound
+
+    w = torch.randn(out_features, in_features) * 0.02
+    packed, hi = kernels.pack_weight(w), w.bfloat16()
+    approx, bound = kernels.pack_weight(hi), head_bound(w, hi)
+    library = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32)
+    flush = torch.ones(int(1.5 * llc_bytes()) // 4) if llc_bytes() else None
+    res: dict[str, list[float]] = {"greedy": [], "onednn": []}
+    for m in BUCKETS:
+        x = torch.randn(m, in_features)
+        n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))
+        t_greedy, t_lib = _median_times(
+            [lambda x=x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
+             lambda x=x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)],
+            n, flush.sum if flush is not None else None)
+        res["greedy"].append(t_greedy)
+        res["onednn"].append(t_lib)
+    return res
+
+
+def greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str]) -> tuple[bool, ...]:
+    """Per bucket, whether greedy decode steps take an fp32 head's picks from ``kernels.greedy_head``
+    (in the native loop, ``Transformer.native_greedy``) where the head's ``plan`` puts its full
+    product on oneDNN: where the bf16 pass and its few exact logits took no longer than oneDNN's
+    product and argmax on this machine. Where ``plan`` has the panels, greedy steps take the bf16
+    pass anyway (it reads half the bytes the panels do). Measured once per machine, then cached;
+    ``SKIPDECODE_AUTOTUNE=0``, or kernels without ``greedy_head``, keep to ``plan``."""
+    on_panels = tuple(f == "hand" for f in plan)
+    if all(on_panels) or kernel_module is None or not hasattr(kernel_module, "greedy_head") \
+            or os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
+        return on_panels
+
+    def ok(entry) -> bool:
+        return isinstance(entry, dict) and entry.get("buckets") == list(BUCKETS) \
+            and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in ("greedy", "onednn"))
+
+    def measure() -> dict:
+        t = time_greedy_head(out_features, in_features, kernel_module)
+        return {"buckets": list(BUCKETS), "seconds": {f: [round(v, 7) for v in ts] for f, ts in t.items()}}
+
+    sec = _measured_once(kernel_module, f"greedy head {out_features}x{in_features}", ok, measure)["seconds"]
+    return tuple(p or g <= o for p, g, o in zip(on_panels, sec["greedy"], sec["onednn"]))
+
+
 def fused_plan(shapes: Sequence[tuple[int, int]], kernel_module, weights: str = "float32") -> tuple[bool, ...]:
     """Per bucket, whether a layer with these linears runs as the compiled kernels' one fused call:
     where their measured time on the panels is no more than on the library form (the fused call

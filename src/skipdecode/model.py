@@ -143,6 +143,8 @@ class PackedLinear(nn.Module):
         self.bias_bf16 = None if self.bias is None else self.bias.bfloat16()  # torch's bf16 / int8 GEMMs
         # an fp32 LM head's bf16 copy and head_bound, for greedy picks (Transformer.greedy_steps)
         self.approx = self.approx_bound = None
+        # per bucket, whether greedy steps pick from the bf16 pass (dispatch.greedy_head_plan)
+        self.greedy_plan: tuple[bool, ...] = tuple(False for _ in dispatch.BUCKETS)
 
     def uses_hand(self, rows: int) -> bool:
         """Whether a call with ``rows`` rows runs the compiled kernels (the fused decode layer needs it)."""
@@ -543,12 +545,18 @@ class Transformer(nn.Module):
         # int4 keeps the LM head in int8, as llama.cpp's Q4_0 keeps its output matrix at 6 bits: 4-bit
         # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
         head = {"int4": "int8", "w4a8": "w8a8", "w4a16": "w8a16"}.get(weights, weights)
-        self.lm_head = PackedLinear(self.lm_head, k, head)
-        if head == "float32" and self.lm_head.packed is not None and self.lm_head.bias is None:
+        greedy = head == "float32" and self.lm_head.bias is None and k is not None
+        self.lm_head = PackedLinear(self.lm_head, k, head, keep_panels=greedy)
+        if greedy:
             w = self._head_rows.float().contiguous()  # the dense head (tied: the embedding), kept for drafts
             self._head_rows = w
             hi = w.bfloat16()
-            self.lm_head.approx, self.lm_head.approx_bound = kernels.pack_weight(hi), head_bound(w, hi)
+            h = self.lm_head
+            h.approx, h.approx_bound = kernels.pack_weight(hi), head_bound(w, hi)
+            # where the head's plan has oneDNN, greedy steps may still pick faster from the bf16 pass
+            h.greedy_plan = dispatch.greedy_head_plan(*w.shape, k, h.plan)
+            if not any(h.greedy_plan):  # neither the panels nor the bf16 pass ever run: drop them
+                h.packed = h.approx = h.approx_bound = None
         if self.draft_head is not None:
             self.draft_head = PackedLinear(self.draft_head, k, head)
         for m in self.modules():
@@ -804,7 +812,16 @@ class Transformer(nn.Module):
                 and self.project_in is None and self.project_out is None and self.pos_emb is None
                 and self.tok_emb.weight.dtype == torch.float32
                 and isinstance(norm, RMSNorm) and norm.kernels is k and norm.weight.dtype == torch.float32
-                and isinstance(head, PackedLinear) and head.kernels is k and head.uses_hand(rows))
+                and isinstance(head, PackedLinear) and head.kernels is k
+                and (head.uses_hand(rows) or self._greedy_head_picks(rows)))
+
+    def _greedy_head_picks(self, rows: int) -> bool:
+        """Whether greedy steps of ``rows`` rows take the head's picks from its bf16 pass
+        (``kernels.greedy_head``) though its full product runs on oneDNN there: where
+        ``dispatch.greedy_head_plan`` measured the pass no slower than oneDNN's product."""
+        head = self.lm_head
+        return (self.greedy_approx and head.approx is not None and head.packed is not None
+                and hasattr(head.kernels, "greedy_head") and head.greedy_plan[dispatch.bucket(rows)])
 
     @torch.inference_mode()
     def greedy_steps(self, tokens: Sequence[int], positions: Sequence[int], step_layers: Sequence[Sequence[int]],
