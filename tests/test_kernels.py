@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import BUILDABLE, needs_kernels
-from skipdecode import kernels
+from skipdecode import dispatch, kernels
 from skipdecode.engine.kv_cache import KVPool, Reservation, RequestKV
 from skipdecode.model import LayerRows, PackedLinear, RMSNorm
 
@@ -309,6 +309,17 @@ def test_argmax_rows_equals_torch_argmax_with_ties_infinities_and_nans(k, vocab)
     assert torch.equal(k.argmax_rows(x[:, :]), torch.argmax(x, dim=-1))
 
 
+@pytest.fixture(params=["fma", "bf16-dot"])
+def head_pass(request, k):
+    """Run the test on each form of greedy_head's bf16 pass below the tiles' row count: the panels'
+    own form, and AVX512-BF16 pair dot products where the CPU has them (the AVX-512 form only)."""
+    if request.param == "bf16-dot" and "avx512_bf16" not in dispatch.cpu_features()["isa"]:
+        pytest.skip("this CPU has no AVX512-BF16")
+    prev = k.set_bf16_dot(request.param == "bf16-dot")
+    yield request.param
+    k.set_bf16_dot(prev)
+
+
 def _head_with_near_ties(V: int, K: int, seed: int) -> torch.Tensor:
     """A random fp32 head whose rows include exact ties (a copy: the first id must win), a
     permutation of a row (the same true product for a constant x, other rounding) and copies one
@@ -324,11 +335,12 @@ def _head_with_near_ties(V: int, K: int, seed: int) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 31, 32, 33, 40])
-def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, isa, rows):
+def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, isa, head_pass, rows):
     """kernels.greedy_head (a bf16 pass, then the exact logits of the ids it leaves in doubt) picks
     what argmax_rows picks from the full fp32 head's logits, ties and near-ties included, in the
-    AVX2 and AVX-512 forms and at every row count (where the tiles are present, the bf16 pass runs
-    on them from 8 rows and the fp32 head from 32)."""
+    AVX2 and AVX-512 forms, with the pass on the panels' form or on AVX512-BF16 dot products, and at
+    every row count (where the tiles are present, the bf16 pass runs on them from 8 rows and the
+    fp32 head from 32)."""
     from skipdecode.model import head_bound
 
     V, K = 1000, 96
@@ -352,11 +364,11 @@ def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, 
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_head_bound_holds_for_inputs_along_the_rounding_itself(k, rows):
+def test_head_bound_holds_for_inputs_along_the_rounding_itself(k, head_pass, rows):
     """head_bound's c_n bounds |bf16 pass - fp32 head| / ||x|| for every output, x random or x
     along one row's rounding error (where Cauchy-Schwarz is tight), in the forms a call of
     ``rows`` rows runs, with x as it is or cut to its top bf16 half (what the pass takes on the
-    tiles)."""
+    tiles and on AVX512-BF16 dot products), and for the pass greedy_head itself runs."""
     from skipdecode.model import head_bound
 
     V, K = 600, 576
@@ -370,6 +382,12 @@ def test_head_bound_holds_for_inputs_along_the_rounding_itself(k, rows):
         a = k.linear(xa, kernels.pack_weight(A), None, V, None, 0).double()
         gap = (a - z).abs() / x.double().norm(dim=1, keepdim=True)
         assert (gap <= c.double()).all()
+    a = k.greedy_head_pass(x, kernels.pack_weight(A), V).double()
+    assert ((a - z).abs() / x.double().norm(dim=1, keepdim=True) <= c.double()).all()
+    if head_pass == "bf16-dot" and rows < 8:  # (from 8 rows the tiles take the pass where present)
+        assert not torch.equal(a, k.linear(cut, kernels.pack_weight(A), None, V, None, 0).double())  # another form ran
+        assert torch.allclose(a, k.linear(cut, kernels.pack_weight(A), None, V, None, 0).double(), rtol=1e-5,
+                              atol=1e-4)  # x's top half, summed in pairs
     gap = (k.linear(x, kernels.pack_weight(A), None, V, None, 0).double() - z).abs()[0, 5] / x[0].double().norm()
     assert gap > 0.5 * (w[5].double() - A[5].double()).norm()  # along row 5's rounding its share is nearly reached
 

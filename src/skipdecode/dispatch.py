@@ -246,7 +246,8 @@ def _machine_key(kernel_module) -> str:
 
     src = hashlib.sha1(kernels._SRC.read_bytes()).hexdigest()[:10]
     f = cpu_features()
-    forms = f"{kernels.isa()} a8 {kernels.a8_form()} amx-bf16 {int(kernels.amx_bf16())}"  # what the hand form runs
+    forms = (f"{kernels.isa()} a8 {kernels.a8_form()} amx-bf16 {int(kernels.amx_bf16())}"
+             f" bf16-dot {int(kernels.bf16_dot())}")  # what the hand form runs
     return (f"{f['cpu']}|torch {torch.__version__}|kernels {src} {forms}|"
             f"threads {torch.get_num_threads()}|timing {TIMING}")
 

@@ -65,6 +65,8 @@ def configure(module):
             raise
         warnings.warn(f"skipdecode: {e}; the int8-activation kernels use AVX512-VNNI", stacklevel=2)
         module.set_a8("vnni")
+    if hasattr(module, "set_bf16_dot"):
+        module.set_bf16_dot(bf16_dot())
     if amx_bf16() and hasattr(module, "set_amx_bf16"):  # (a module built from an older source has no tiles)
         try:
             module.set_amx_bf16(True)
@@ -158,6 +160,16 @@ def amx_bf16() -> bool:
     if amx not in ("0", "1"):
         raise ValueError(f"SKIPDECODE_AMX must be 0 or 1, got {amx!r}")
     return isa() == "avx512" and amx == "1" and {"amx_tile", "amx_bf16"} <= set(cpu_features()["isa"])
+
+
+def bf16_dot() -> bool:
+    """Whether the bf16 pass of greedy picks from an fp32 LM head (``greedy_head``) runs on
+    AVX512-BF16's pair dot products below the tiles' row count: where the CPU has them and the
+    AVX-512 form runs. Two exact products a lane against an FMA form's widening and one product:
+    the pass takes x's top bf16 half, as on the tiles, which ``model.head_bound`` counts."""
+    from .dispatch import cpu_features
+
+    return isa() == "avx512" and "avx512_bf16" in cpu_features()["isa"]
 
 
 def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:

@@ -2653,6 +2653,86 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // full head.
 constexpr int64_t GREEDY_HEAD_MAX_IDS = 4096;
 
+// ---- The bf16 pass of greedy_head by AVX512-BF16 pair dot products (CPUs with them and no turn of
+// the tiles: an AMD EPYC's Zen 4 or 5, an Intel Xeon below the tiles' row count). x's top bf16
+// half, as the tiles take it and head_bound counts it, times the bf16 panels: vdpbf16ps adds two
+// exact products a lane (16 columns, k and k + 1), against an FMA form's widening of each weight
+// and one product a lane. The sums are fp32 sums of exact products, as the bound assumes.
+#define SD_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+bool g_bf16_dot = false;
+
+// R rows (xp: each row's K / 2 dwords, the top bf16 halves of x[k] low and x[k + 1] high) of one
+// bf16 panel w ([K, 16]) into y (row stride ldy, ncols of the 16 columns).
+template <int R>
+SD_AVX512BF16 static void dot_rows_bf16(const uint32_t* xp, int64_t ldx, const uint16_t* w, int64_t K, float* y,
+                                        int64_t ldy, int64_t ncols) {
+  // two panel rows (k, k + 1) are one 64-byte line: word 2 c of the pair takes row k's column c,
+  // word 2 c + 1 row k + 1's
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_BYTES, _MM_HINT_T0);
+    const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(w + k * NR));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[r * ldx + k / 2])));
+  }
+  const __mmask16 m = ncols >= NR ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, m, acc[r]);
+}
+
+SD_AVX512BF16 static void dot_block_bf16(int64_t r, const uint32_t* xp, int64_t ldx, const uint16_t* w, int64_t K,
+                                         float* y, int64_t ldy, int64_t ncols) {
+  switch (r) {
+#define SD_DOT_CASE(n) case n: return dot_rows_bf16<n>(xp, ldx, w, K, y, ldy, ncols);
+    SD_DOT_CASE(12) SD_DOT_CASE(11) SD_DOT_CASE(10) SD_DOT_CASE(9) SD_DOT_CASE(8) SD_DOT_CASE(7) SD_DOT_CASE(6)
+    SD_DOT_CASE(5) SD_DOT_CASE(4) SD_DOT_CASE(3) SD_DOT_CASE(2)
+#undef SD_DOT_CASE
+    default: return dot_rows_bf16<1>(xp, ldx, w, K, y, ldy, ncols);
+  }
+}
+
+// y[M, n] = (x's top bf16 half) @ W^T for bf16 panels W ([NP, K, 16], K even): panels shared as
+// the threads go, rows in even blocks of at most 12 (a panel of a 576-wide head, 18 KB, stays in
+// L1 across them).
+void linear_bf16_dot(const float* x, int64_t M, const uint16_t* w, int64_t K, int64_t NP, int64_t n, float* y) {
+  std::vector<uint32_t> xp(M * K / 2);
+  for (int64_t i = 0; i < M * K / 2; ++i) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, x + 2 * i, 4);
+    std::memcpy(&hi, x + 2 * i + 1, 4);
+    xp[i] = (lo >> 16) | (hi & 0xFFFF0000u);
+  }
+  const int64_t nrb = (M + 11) / 12;
+  parallel_steal(NP, 2, [&](const auto& next) {
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t p = p0; p < p1; ++p)
+        even_row_blocks(M, nrb, [&](int64_t m, int64_t r) {
+          dot_block_bf16(r, xp.data() + m * K / 2, K / 2, w + p * K * NR, K, y + m * n + p * NR, n,
+                         std::min(NR, n - p * NR));
+        });
+  });
+}
+
+// The approximate logits greedy_head picks from ([R, vocab]): the bf16 copy on the tiles (from
+// their row count, x's top bf16 half), by pair dot products (set_bf16_dot, x's top half too), else
+// the panels' own form on x as it is.
+torch::Tensor greedy_head_pass(const torch::Tensor& x, const torch::Tensor& approx, int64_t V) {
+  const int64_t R = x.size(0), K = x.size(1);
+  auto a = torch::empty({R, V}, x.options());
+  const int64_t amx = amx_bf16_min_rows(torch::kBFloat16);
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(approx.data_ptr<at::BFloat16>());
+  if (amx && R >= amx && K % AMXB_K == 0)
+    linear_amx_bf16<uint16_t, 1>(x.data_ptr<float>(), R, ap, K, approx.size(0), nullptr, nullptr, nullptr, V,
+                                 a.data_ptr<float>(), nullptr);
+  else if (g_bf16_dot && g_avx512 && K % 2 == 0)
+    linear_bf16_dot(x.data_ptr<float>(), R, ap, K, approx.size(0), V, a.data_ptr<float>());
+  else
+    linear_into(x.data_ptr<float>(), R, approx, c10::nullopt, nullptr, V, a.data_ptr<float>(), nullptr, A_FP32);
+  return a;
+}
+
 torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int64_t vocab, const torch::Tensor& approx,
                           const torch::Tensor& bound, const torch::Tensor& rows) {
   check(h.scalar_type() == torch::kFloat, "float32 only");
@@ -2667,13 +2747,7 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
         rows.is_contiguous(), "rows must be the head's dense [vocab, in_features] float32 weight");
   const auto x = h.reshape({-1, K}).contiguous();
   const int64_t R = x.size(0);
-  auto a = torch::empty({R, V}, x.options());  // on the tiles, x's top bf16 half alone (head_bound counts it)
-  const int64_t amx = amx_bf16_min_rows(torch::kBFloat16);
-  if (amx && R >= amx && K % AMXB_K == 0)
-    linear_amx_bf16<uint16_t, 1>(x.data_ptr<float>(), R, reinterpret_cast<const uint16_t*>(approx.data_ptr<at::BFloat16>()),
-                                 K, approx.size(0), nullptr, nullptr, nullptr, V, a.data_ptr<float>(), nullptr);
-  else
-    linear_into(x.data_ptr<float>(), R, approx, c10::nullopt, nullptr, V, a.data_ptr<float>(), nullptr, A_FP32);
+  const auto a = greedy_head_pass(x, approx, V);  // x's top bf16 half alone in two forms (head_bound counts it)
   const float* aa = a.data_ptr<float>();
   const float* ca = bound.data_ptr<float>();
   std::vector<std::vector<int64_t>> ids(R);
@@ -3151,7 +3225,26 @@ bool set_amx_bf16(bool on) {
   return prev;
 }
 
+// Whether greedy_head's bf16 pass below the tiles' row count runs on vdpbf16ps (linear_bf16_dot; the
+// caller checks the CPU's flags). Returns the previous setting.
+bool set_bf16_dot(bool on) {
+  const bool prev = g_bf16_dot;
+  g_bf16_dot = on;
+  return prev;
+}
+
+torch::Tensor greedy_head_pass_checked(const torch::Tensor& h, const torch::Tensor& approx, int64_t vocab) {
+  check(h.scalar_type() == torch::kFloat && h.dim() == 2 && approx.scalar_type() == torch::kBFloat16,
+        "greedy_head_pass takes float32 rows and bfloat16 panels");
+  check_packed(approx, h.size(1), vocab, c10::nullopt, c10::nullopt);
+  return greedy_head_pass(h.contiguous(), approx, vocab);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_bf16_dot", &set_bf16_dot, "run greedy_head's bf16 pass on AVX512-BF16 dot products (true) or not",
+        py::arg("on"));
+  m.def("greedy_head_pass", &greedy_head_pass_checked, "the approximate logits greedy_head picks from",
+        py::arg("h"), py::arg("approx"), py::arg("vocab"));
   m.def("set_amx_bf16", &set_amx_bf16, "run fp32-activation linears of several rows on AMX-BF16 tiles (true) or not",
         py::arg("on"));
   m.def("set_a8", &set_a8, "the int8-activation kernels' form: amx, vnni, avx2 or portable", py::arg("form"));
