@@ -1239,7 +1239,6 @@ def test_greedy_steps_pick_from_the_bf16_pass_where_it_was_measured_no_slower_th
     loop and the bf16 pass at the buckets where dispatch.greedy_head_plan timed that pass no slower
     than oneDNN's product and argmax (an AVX2 CPU's 2 and 8 rows, say), and the tokens are those of
     Python steps on oneDNN. Untimed, the plan alone decides, as before."""
-    from skipdecode import dispatch
     from skipdecode.checkpoint import load_model
     from skipdecode.generate import generate_tokens
     from skipdecode.schedule import SkipSchedule
@@ -1248,12 +1247,11 @@ def test_greedy_steps_pick_from_the_bf16_pass_where_it_was_measured_no_slower_th
     assert dispatch.greedy_head_plan(64, 32, k, plan) == tuple(p == "hand" for p in plan)  # untimed
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
     monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
-    n = len(dispatch.BUCKETS)
     monkeypatch.setattr(dispatch, "time_greedy_head", lambda *a, **kw: {
         "greedy": [1.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0, 5.0], "onednn": [3.0, 3.0, 3.0, 2.0, 4.0, 4.0, 6.0, 4.0]})
-    dispatch._TUNED.clear()
+    monkeypatch.setattr(dispatch, "_TUNED", {})  # this process's memo of measured entries, restored after
     got = dispatch.greedy_head_plan(64, 32, k, plan)
-    assert got == (True, True, True, True, False, False, True, False) and len(got) == n
+    assert got == (True, True, True, True, False, False, True, False) and len(got) == len(dispatch.BUCKETS)
     assert json.loads((tmp_path / "autotune.json").read_text())  # measured once, kept for the next process
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
 
@@ -1262,7 +1260,7 @@ def test_greedy_steps_pick_from_the_bf16_pass_where_it_was_measured_no_slower_th
     assert head.approx is not None and head.onednn is not None
     head.plan = tuple("onednn" for _ in dispatch.BUCKETS)  # the full product on oneDNN at every bucket
     g = _gen(43)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    prompts = [torch.randint(3, 250, (length,), generator=g).tolist() for length in (3, 11, 7)]
     sched = SkipSchedule.for_speedup(2.0, 16, net.n_layers)
     out = {}
     for picks in (False, True):
