@@ -167,6 +167,15 @@ def _median_times(fns: Sequence[Callable[[], object]], reps: int,
     return [statistics.median(t) for t in out]
 
 
+def _cold_read(nbytes: int) -> Callable[[], object] | None:
+    """For one copy of a weight of ``nbytes`` that fits the last-level cache, a read of 1.5x that
+    cache to run before each timed call (the weight then comes from memory, as in a decode step);
+    None for a larger weight, which no cache holds between calls."""
+    if not 0 < nbytes <= llc_bytes():
+        return None
+    return torch.ones(int(1.5 * llc_bytes()) // 4).sum
+
+
 def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5,
                weights: str = "float32") -> dict[str, list[float]]:
     """Seconds per call of each form at every bucket's row count, on a random weight of this shape:
@@ -189,10 +198,7 @@ def time_forms(out_features: int, in_features: int, kernel_module, reps: int = 5
     w = torch.randn(out_features, in_features) * 0.02
     nbytes = w.numel() * {"float32": 4, "bfloat16": 2, "int8": 1}[weights]
     copies = max(1, min(32, int(COLD_BYTES // nbytes)))
-    cold_read = None
-    if copies == 1 and 0 < nbytes <= llc_bytes():
-        flush = torch.ones(int(1.5 * llc_bytes()) // 4)
-        cold_read = flush.sum
+    cold_read = _cold_read(nbytes) if copies == 1 else None
     hand, lib = forms(weights)
     if weights == "int8":
         q, sc = quantize_int8(w)
@@ -334,7 +340,7 @@ def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: i
     """Seconds per greedy pick of an fp32 LM head of this shape at every bucket's row count, each
     form with its argmax: ``greedy`` (``kernels.greedy_head``: the bf16 copy's pass and the exact
     logits it leaves in doubt) and ``onednn`` (the full fp32 product). Timed cold, as ``time_forms``
-    times a head: each call follows a read of 1.5x the last-level cache."""
+    times a head: where the head fits the last-level cache, each call follows a read of 1.5x it."""
     from . import kernels
     from .model import head_bound
 
@@ -342,7 +348,7 @@ def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: i
     packed, hi = kernels.pack_weight(w), w.bfloat16()
     approx, bound = kernels.pack_weight(hi), head_bound(w, hi)
     library = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32)
-    flush = torch.ones(int(1.5 * llc_bytes()) // 4) if llc_bytes() else None
+    cold_read = _cold_read(w.numel() * 4)
     res: dict[str, list[float]] = {"greedy": [], "onednn": []}
     for m in BUCKETS:
         x = torch.randn(m, in_features)
@@ -350,7 +356,7 @@ def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: i
         t_greedy, t_lib = _median_times(
             [lambda x=x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
              lambda x=x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)],
-            n, flush.sum if flush is not None else None)
+            n, cold_read)
         res["greedy"].append(t_greedy)
         res["onednn"].append(t_lib)
     return res
