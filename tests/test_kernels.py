@@ -1208,6 +1208,40 @@ def test_native_greedy_steps_pick_the_tokens_of_python_steps_in_every_weight_dty
 
 
 @needs_kernels
+def test_phase_timing_counts_every_layer_phase_and_head_of_a_native_step_and_nothing_when_off(tiny_dirs):
+    """set_phase_timing / phase_times (benchmarks/step_phases.py): with timing on, each of a
+    layer's phases is counted once a layer and native step, the head and the step once a step, and
+    the phases of a step take no more than the step; off (the default), steps add nothing."""
+    from skipdecode.checkpoint import load_model
+    from skipdecode.generate import generate_tokens
+    from skipdecode.schedule import SkipSchedule
+
+    net = load_model(tiny_dirs["llama"])[0].pack_for_inference(weights="int8")
+    k = net._stack_kernels
+    assert net.native_greedy(2)
+    sched = SkipSchedule.for_speedup(1.0, 12, net.n_layers)
+    prompts = [[5, 9, 14], [7, 3]]
+    layer_phases = ("norm1", "qkv", "rope", "attention", "o", "norm2", "gate_up", "silu", "down")
+    assert k.set_phase_timing(False) is False  # off unless asked for
+    k.phase_times(True)
+    generate_tokens(net, prompts, sched, 12, eos_token_ids=())
+    assert all(calls == 0 for _, calls in k.phase_times(True).values())
+    k.set_phase_timing(True)
+    try:
+        before = k.phase_times(True)
+        generate_tokens(net, prompts, sched, 12, eos_token_ids=())
+        t = k.phase_times(True)
+    finally:
+        assert k.set_phase_timing(False) is True
+    assert set(before) == set(layer_phases) | {"head", "step"}
+    steps = t["step"][1]  # native steps (the first token comes from the prefill)
+    assert steps == 11 and t["head"][1] == steps
+    assert all(t[p][1] == steps * net.n_layers for p in layer_phases)
+    assert all(t[p][0] > 0 for p in ("qkv", "gate_up", "down", "head", "step"))
+    assert sum(t[p][0] for p in layer_phases) + t["head"][0] <= t["step"][0]
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 8])
 def test_native_greedy_steps_pick_the_same_tokens_from_the_fp32_heads_bf16_pass(rows, monkeypatch):
     """The embedded model's fp32 head keeps a bf16 copy (half its bytes) that greedy steps pick

@@ -163,14 +163,17 @@ def step_bytes(llm: LLM) -> int:
     byte per weight plus one bf16 scale per output channel and 32 inputs). A greedy step reads an
     fp32 head's bf16 copy instead (``kernels.greedy_head``; the exact rows of the few ids it leaves
     in doubt, a few KB, are left out)."""
-    total = 0
-    for m in step_linears(llm):
-        w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
-        if getattr(m, "approx", None) is not None and llm.model.greedy_approx:
-            w = "bfloat16"
-        total += {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
-                  "int4": n * k // 2 + 2 * n * (k // 32)}[w]
-    return total
+    return sum(linear_bytes(m, llm.model.greedy_approx) for m in step_linears(llm))
+
+
+def linear_bytes(m, greedy_approx: bool = False) -> int:
+    """Bytes of weights a batch-1 step reads from one linear (``step_bytes``'s rule; with
+    ``greedy_approx``, an fp32 head with a bf16 copy reads the copy)."""
+    w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
+    if getattr(m, "approx", None) is not None and greedy_approx:
+        w = "bfloat16"
+    return {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
+            "int4": n * k // 2 + 2 * n * (k // 32)}[w]
 
 
 def step_macs(llm: LLM) -> int:

@@ -15,10 +15,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -2813,6 +2816,31 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
   return out;
 }
 
+// Where a decode step's time goes, phase by phase (set_phase_timing; off by default, when a phase
+// costs one branch): layer_into's parts and greedy's head and whole step, summed over calls until
+// phase_times reads them. For benchmarks/step_phases.py, which runs steps on one thread of control.
+enum Phase { PH_NORM1, PH_QKV, PH_ROPE, PH_ATTEND, PH_O, PH_NORM2, PH_GATE_UP, PH_SILU, PH_DOWN, PH_HEAD, PH_STEP,
+             PH_COUNT };
+const char* const PHASE_NAMES[PH_COUNT] = {"norm1", "qkv",  "rope",   "attention", "o",   "norm2",
+                                           "gate_up", "silu", "down", "head",      "step"};
+std::atomic<bool> g_phase_timing{false};
+std::array<double, PH_COUNT> g_phase_seconds{};
+std::array<int64_t, PH_COUNT> g_phase_calls{};
+
+struct PhaseClock {
+  using clock = std::chrono::steady_clock;
+  const bool on = g_phase_timing.load(std::memory_order_relaxed);
+  clock::time_point t = on ? clock::now() : clock::time_point{};
+  // The time since the last mark (or since the clock started) goes to phase p.
+  void mark(Phase p) {
+    if (!on) return;
+    const auto now = clock::now();
+    g_phase_seconds[p] += std::chrono::duration<double>(now - t).count();
+    g_phase_calls[p] += 1;
+    t = now;
+  }
+};
+
 // One fused layer's fixed arguments: its norms' weights, its four linears' panels, biases and
 // scales, its query heads and attention scale, and how its linears take their activations.
 struct FusedLayer {
@@ -2883,13 +2911,17 @@ void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Ten
   float* act = gu + n_gu;       // [B, I]
   const float* anw = L.attn_norm.data_ptr<float>();
   const float* mnw = L.mlp_norm.data_ptr<float>();
+  PhaseClock ph;
   rms_norm_rows(ha, B, D, anw, float(L.eps), nrm);
+  ph.mark(PH_NORM1);
   linear_into(nrm, B, L.wqkv, L.sqkv, bp(L.bqkv), nqkv, qkv, nullptr, a8);
+  ph.mark(PH_QKV);
   rope_rows(qkv, B, 1, H + KVH, hd, NQ * hd, NQ * hd, hd, cc, sc);
   for (int64_t b = 0; b < B; ++b) {  // the queries contiguous for attend
     const float* qrow = qkv + b * NQ * hd;
     std::copy(qrow, qrow + H * hd, qs + b * H * hd);
   }
+  ph.mark(PH_ROPE);
   with_kv_type(kpool, [&](auto tag) {
     using KT = decltype(tag);
     KT* ka = static_cast<KT*>(kpool.data_ptr());
@@ -2906,11 +2938,17 @@ void layer_into(float* ha, int64_t B, int64_t D, const FusedLayer& L, torch::Ten
     const KVView<KT> kv{ka, va, 0, slots * hd, hd, 0, slots * hd, hd, ra};
     attend(qs, B, H, hd, KVH, kv, nullptr, float(L.scale), att);
   });
+  ph.mark(PH_ATTEND);
   linear_into(att, B, L.wo, L.so, bp(L.bo), D, ha, ha, a8);
+  ph.mark(PH_O);
   rms_norm_rows(ha, B, D, mnw, float(L.eps), nrm);
+  ph.mark(PH_NORM2);
   linear_into(nrm, B, L.w13, L.s13, bp(L.b13), 2 * I, gu, nullptr, a8);
+  ph.mark(PH_GATE_UP);
   silu_mul_rows(gu, B, I, act);
+  ph.mark(PH_SILU);
   linear_into(act, B, L.w2, L.s2, bp(L.b2), D, ha, ha, a8);
+  ph.mark(PH_DOWN);
 }
 
 void check_decode_input(const torch::Tensor& x) {
@@ -3047,6 +3085,7 @@ struct LayerStack {
     int64_t* oa = out.data_ptr<int64_t>();
     int64_t done = 0;
     for (int64_t s = 0; s < S; ++s) {
+      PhaseClock step;
       auto x = torch::empty({R, 1, D}), c = torch::empty({R, 1, 1, hd}), sn = torch::empty({R, 1, 1, hd});
       for (int64_t r = 0; r < R; ++r) {
         check(tok[r] >= 0 && tok[r] < V, "a token id outside the embedding");
@@ -3065,10 +3104,12 @@ struct LayerStack {
         rw.push_back(rows[l]);
       }
       const auto h = run(x, ids, std::vector<int64_t>(ids.size(), R), kp, vp, rw, c, sn);
+      PhaseClock head_clock;
       const auto hn = rms_norm(h, norm_w, eps);
       const auto pick = head_approx.has_value()
                             ? greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows)
                             : argmax_rows(linear(hn, head, head_bias, vocab, head_scale, a8).view({R, vocab}));
+      head_clock.mark(PH_HEAD);
       bool stop = false;
       for (int64_t r = 0; r < R; ++r) {
         tok[r] = pick.data_ptr<int64_t>()[r];
@@ -3077,6 +3118,7 @@ struct LayerStack {
         stop = stop || std::find(eos.begin(), eos.end(), tok[r]) != eos.end();
       }
       done = s + 1;
+      step.mark(PH_STEP);
       if (stop) break;
     }
     return out.narrow(0, 0, done);
@@ -3227,6 +3269,16 @@ bool set_amx_bf16(bool on) {
 
 // Whether greedy_head's bf16 pass below the tiles' row count runs on vdpbf16ps (linear_bf16_dot; the
 // caller checks the CPU's flags). Returns the previous setting.
+bool set_phase_timing(bool on) { return g_phase_timing.exchange(on); }
+
+// Each phase's seconds and calls since the last reset (reset: start again from zero).
+std::map<std::string, std::pair<double, int64_t>> phase_times(bool reset) {
+  std::map<std::string, std::pair<double, int64_t>> out;
+  for (int p = 0; p < PH_COUNT; ++p) out[PHASE_NAMES[p]] = {g_phase_seconds[p], g_phase_calls[p]};
+  if (reset) g_phase_seconds.fill(0.0), g_phase_calls.fill(0);
+  return out;
+}
+
 bool set_bf16_dot(bool on) {
   const bool prev = g_bf16_dot;
   g_bf16_dot = on;
@@ -3241,6 +3293,10 @@ torch::Tensor greedy_head_pass_checked(const torch::Tensor& h, const torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_phase_timing", &set_phase_timing, "time layer_into's and greedy's phases (true) or not; returns the "
+        "previous setting", py::arg("on"));
+  m.def("phase_times", &phase_times, "each phase's {name: (seconds, calls)} since the last reset",
+        py::arg("reset") = false);
   m.def("set_bf16_dot", &set_bf16_dot, "run greedy_head's bf16 pass on AVX512-BF16 dot products (true) or not",
         py::arg("on"));
   m.def("greedy_head_pass", &greedy_head_pass_checked, "the approximate logits greedy_head picks from",
