@@ -7,7 +7,7 @@ down), RoPE, attention (the new key/value stored and attended over) and SwiGLU, 
 norm with the LM head and its argmax ("head"), and what is left of the step ("other": the
 embedding row, the RoPE rows, the loop). Each GEMM's weight bytes over its time give the rate it
 streams its weights at, against the machine's read bandwidth measured as ``skipdecode bench``
-measures it.
+measures it (the fastest reader of a 1 GiB probe, best of a measurement before every run).
 
 A 64-token greedy decode of one E2E prompt (``--rows R``: R prompts, row i gets the benchmark
 prompt i mod 8, as ``skipdecode bench`` does) on ``default-e2e`` at full depth (``--speedup S``
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from skipdecode import LLM, kernels
+from skipdecode import LLM
 from skipdecode.bench.decode import PROMPTS, machine_info
-from skipdecode.bench.llamacpp import linear_bytes, read_bandwidth_gbs
+from skipdecode.bench.llamacpp import linear_bytes, read_bandwidth_gbs, read_probe, step_bytes
 from skipdecode.generate import generate_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -41,7 +41,7 @@ GEMMS = {"qkv": "wqkv", "o": "wo", "gate_up": "w13", "down": "w2"}  # phase -> t
 LAYER_PHASES = ("norm1", "qkv", "rope", "attention", "o", "norm2", "gate_up", "silu", "down")
 
 
-def phases(dtype: str, rows: int, speedup: float, bandwidth: float) -> dict:
+def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor) -> dict:
     llm = LLM.load("default-e2e", dtype=dtype)
     net = llm.model
     k = net._stack_kernels
@@ -50,9 +50,12 @@ def phases(dtype: str, rows: int, speedup: float, bandwidth: float) -> dict:
     ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(rows)]
     sched = llm.make_schedule(speedup=speedup, expected_new_tokens=N)
     generate_tokens(net, ids, sched, 8, eos_token_ids=())
-    best, untimed = None, float("inf")
+    best, untimed, bandwidth = None, float("inf"), 0.0
     try:
         for _ in range(RUNS):
+            # the read bandwidth of this host moves between runs: measured in every round, the best kept,
+            # as skipdecode bench does
+            bandwidth = max(bandwidth, read_bandwidth_gbs(repeats=1, probe=probe, module=k))
             k.set_phase_timing(False)
             st = generate_tokens(net, ids, sched, N, eos_token_ids=())[1]
             untimed = min(untimed, st["decode_seconds"] / (N - 1))
@@ -69,7 +72,8 @@ def phases(dtype: str, rows: int, speedup: float, bandwidth: float) -> dict:
     layer_calls = best["qkv"][1] / steps  # layers run per step (every row on the same layers)
     blocks = net.layers[:1]  # every block's linears have the same shapes and dtypes
     out = {"dtype": dtype, "rows": rows, "speedup": speedup, "layers_per_step": round(layer_calls, 2),
-           "step_ms": round(per_step["step"] * 1e3, 3), "untimed_step_ms": round(untimed * 1e3, 3), "phases": {}}
+           "step_ms": round(per_step["step"] * 1e3, 3), "untimed_step_ms": round(untimed * 1e3, 3),
+           "read_bandwidth_gb_per_s": round(bandwidth, 1), "phases": {}}
     for p in LAYER_PHASES + ("head",):
         row = {"us_per_step": round(per_step[p] * 1e6, 1), "share": round(per_step[p] / per_step["step"], 4)}
         nbytes = None
@@ -89,6 +93,10 @@ def phases(dtype: str, rows: int, speedup: float, bandwidth: float) -> dict:
         gemm_b = sum(out["phases"][p]["weight_mb_per_step"] for p in GEMMS) * 1e6
         out["layer_gemms_gb_per_s"] = round(gemm_b / gemm_s / 1e9, 1)
         out["layer_gemms_of_bandwidth"] = round(gemm_b / gemm_s / 1e9 / bandwidth, 3)
+        if speedup == 1.0:  # the whole step's weight bytes over its time, as skipdecode bench gives them
+            step_b = step_bytes(llm)
+            out["step_weight_mb"] = round(step_b / 1e6, 1)
+            out["step_of_bandwidth"] = round(step_b / per_step["step"] / 1e9 / bandwidth, 3)
     return out
 
 
@@ -99,14 +107,14 @@ def main() -> None:
     dtypes = []
     while (d := pop_option(args, "--dtype")) is not None:
         dtypes.append(d)
-    bandwidth = read_bandwidth_gbs(module=kernels.load())
+    probe = read_probe()
     results = []
     for dt in dtypes or DTYPES:
-        r = phases(dt, rows, speedup, bandwidth)
+        r = phases(dt, rows, speedup, probe)
         results.append(r)
         print(json.dumps(r), flush=True)
     out = {"model": "default-e2e", "rows": rows, "speedup": speedup, "new_tokens": N, "runs": RUNS,
-           "threads": torch.get_num_threads(), "read_bandwidth_gb_per_s": round(bandwidth, 1),
+           "threads": torch.get_num_threads(),
            "machine": machine_info(), "results": results,
            "command": "python benchmarks/step_phases.py " + " ".join(sys.argv[1:])}
     path = Path(args[0] if args else "benchmarks/results/step-phases.json")
