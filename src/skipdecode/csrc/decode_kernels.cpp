@@ -3267,8 +3267,7 @@ bool set_amx_bf16(bool on) {
   return prev;
 }
 
-// Whether greedy_head's bf16 pass below the tiles' row count runs on vdpbf16ps (linear_bf16_dot; the
-// caller checks the CPU's flags). Returns the previous setting.
+// Whether layer_into and greedy time their phases (PhaseClock). Returns the previous setting.
 bool set_phase_timing(bool on) { return g_phase_timing.exchange(on); }
 
 // Each phase's seconds and calls since the last reset (reset: start again from zero).
@@ -3279,6 +3278,8 @@ std::map<std::string, std::pair<double, int64_t>> phase_times(bool reset) {
   return out;
 }
 
+// Whether greedy_head's bf16 pass below the tiles' row count runs on vdpbf16ps (linear_bf16_dot; the
+// caller checks the CPU's flags). Returns the previous setting.
 bool set_bf16_dot(bool on) {
   const bool prev = g_bf16_dot;
   g_bf16_dot = on;
