@@ -1768,8 +1768,9 @@ SD_AMXBF16 static void amxb_configure(int64_t h) {
 }
 
 // Tile row t of a B tile from panel rows 2t and 2t + 1 as bf16 (ev: row 2t in words 0-15, row
-// 2t + 1 in words 16-31): each column's pair of words side by side.
-SD_AMXBF16 static inline __m512i pair_words(__m512i ev) {
+// 2t + 1 in words 16-31): each column's pair of words side by side, as vdpbf16ps takes them too
+// (dot_rows_bf16).
+SD_AVX512 static inline __m512i pair_words(__m512i ev) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                        21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(idx, ev);
@@ -2669,15 +2670,13 @@ bool g_bf16_dot = false;
 template <int R>
 SD_AVX512BF16 static void dot_rows_bf16(const uint32_t* xp, int64_t ldx, const uint16_t* w, int64_t K, float* y,
                                         int64_t ldy, int64_t ncols) {
-  // two panel rows (k, k + 1) are one 64-byte line: word 2 c of the pair takes row k's column c,
-  // word 2 c + 1 row k + 1's
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k * NR) + PF_BYTES, _MM_HINT_T0);
-    const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(w + k * NR));
+    // two panel rows (k, k + 1) are one 64-byte line: word 2 c of the pair takes row k's column c,
+    // word 2 c + 1 row k + 1's
+    const __m512bh wv = (__m512bh)pair_words(_mm512_loadu_si512(w + k * NR));
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[r * ldx + k / 2])));
   }
