@@ -70,7 +70,7 @@ def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor) -> dict:
     steps = best["step"][1]
     per_step = {p: best[p][0] / steps for p in best}
     layer_calls = best["qkv"][1] / steps  # layers run per step (every row on the same layers)
-    blocks = net.layers[:1]  # every block's linears have the same shapes and dtypes
+    block = net.layers[0]  # every block's linears have the same shapes and dtypes
     out = {"dtype": dtype, "rows": rows, "speedup": speedup, "layers_per_step": round(layer_calls, 2),
            "step_ms": round(per_step["step"] * 1e3, 3), "untimed_step_ms": round(untimed * 1e3, 3),
            "read_bandwidth_gb_per_s": round(bandwidth, 1), "phases": {}}
@@ -78,7 +78,7 @@ def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor) -> dict:
         row = {"us_per_step": round(per_step[p] * 1e6, 1), "share": round(per_step[p] / per_step["step"], 4)}
         nbytes = None
         if p in GEMMS:
-            nbytes = linear_bytes(getattr(blocks[0], GEMMS[p])) * layer_calls
+            nbytes = linear_bytes(getattr(block, GEMMS[p])) * layer_calls
         elif p == "head":
             nbytes = linear_bytes(net.lm_head, net.greedy_approx)
         if nbytes is not None and rows == 1:  # a batch-1 GEMM reads each weight once
