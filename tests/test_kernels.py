@@ -255,8 +255,10 @@ def _sdpa_reference(q, kc, vc, mask):
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (14, 2)])
 @pytest.mark.parametrize("length", [1, 5, 37, 134])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("hd", [64, 40])
-def test_decode_attention_equals_sdpa(k, heads, kv_heads, length, padded, hd):
+@pytest.mark.parametrize("hd", [64, 40, 80, 128])
+def test_decode_attention_equals_sdpa(k, isa, heads, kv_heads, length, padded, hd):
+    """On either form of the kernels: the AVX-512 one takes heads of 16 to 128 dimensions in steps
+    of 16 (here 64, 80, 128: one, two and two passes over the values), the AVX2 one the rest (40)."""
     B, slots = 3, 150
     g = _gen(length + heads)
     kc, vc = torch.randn(B, kv_heads, slots, hd, generator=g), torch.randn(B, kv_heads, slots, hd, generator=g)
@@ -271,7 +273,7 @@ def test_decode_attention_equals_sdpa(k, heads, kv_heads, length, padded, hd):
 
 
 @needs_kernels
-def test_decode_attention_skips_scattered_masked_keys(k):
+def test_decode_attention_skips_scattered_masked_keys(k, isa):
     B, H, KVH, hd, S = 2, 6, 2, 64, 23
     g = _gen(11)
     kc, vc = torch.randn(B, KVH, S, hd, generator=g), torch.randn(B, KVH, S, hd, generator=g)
@@ -284,7 +286,7 @@ def test_decode_attention_skips_scattered_masked_keys(k):
 
 
 @needs_kernels
-def test_decode_attention_ignores_huge_scores_of_masked_keys(k):
+def test_decode_attention_ignores_huge_scores_of_masked_keys(k, isa):
     B, H, hd, S = 1, 2, 16, 9
     kc = torch.randn(B, 1, S, hd, generator=_gen(5))
     vc = torch.randn(B, 1, S, hd, generator=_gen(6))
@@ -470,7 +472,7 @@ def test_a_packed_model_decodes_the_same_from_its_huge_page_arena(tiny_dirs, mon
 
 @needs_kernels
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, heads, kv_heads):
+def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, isa, heads, kv_heads):
     """Pool mode: row r attends to exactly slots start_r .. start_r + len_r - 1
     of a shared (K, slots, hd) pool; every other slot is NaN and never read."""
     hd, slots = 64, 200

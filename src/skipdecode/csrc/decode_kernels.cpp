@@ -2304,13 +2304,16 @@ static inline void store_kv(const float* src, int64_t n, KT* dst) {
 // Weighted values of one (row, KV head) task for NG query heads and NV * 8
 // dimensions: NG x NV accumulators stay in registers while every value row is
 // read once. p holds the softmax weights (row stride sp); masked keys are not read.
+// pf: rows (pfs bytes apart, pfn of them) to ask for while the values are read: the next task's keys.
 template <int NG, int NV, typename KT>
 static inline void weighted_values(const float* p, int64_t sp, const KT* v, int64_t vs, int64_t S, const bool* mb,
-                                   float* o, int64_t hd) {
+                                   float* o, int64_t hd, const char* pf, int64_t pfs, int64_t pfn) {
   __m256 acc[NG][NV];
   for (int i = 0; i < NG; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
+    if (s < pfn)
+      for (int64_t l = 0; l < pfs; l += 64) _mm_prefetch(pf + s * pfs + l, _MM_HINT_T0);
     if (mb && !mb[s]) continue;
     const KT* vr = v + s * vs;
     __m256 vv[NV];
@@ -2326,11 +2329,38 @@ static inline void weighted_values(const float* p, int64_t sp, const KT* v, int6
 
 template <int NV, typename KT>
 static inline void weighted_values_ng(int ng, const float* p, int64_t sp, const KT* v, int64_t vs, int64_t S,
-                                      const bool* mb, float* o, int64_t hd) {
+                                      const bool* mb, float* o, int64_t hd, const char* pf, int64_t pfs, int64_t pfn) {
   switch (ng) {
-    case 3: return weighted_values<3, NV>(p, sp, v, vs, S, mb, o, hd);
-    case 2: return weighted_values<2, NV>(p, sp, v, vs, S, mb, o, hd);
-    default: return weighted_values<1, NV>(p, sp, v, vs, S, mb, o, hd);
+    case 3: return weighted_values<3, NV>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+    case 2: return weighted_values<2, NV>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+    default: return weighted_values<1, NV>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+  }
+}
+
+// Each of the G rows of p (its first S scores, Sp a multiple of 8; masked keys' scores taken as
+// -inf) turned into its softmax in place, the padding to Sp zero.
+static inline void softmax_rows(float* p, int64_t G, int64_t S, int64_t Sp, const bool* mb) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < G; ++i) {
+    float* pi = p + i * Sp;
+    if (mb)
+      for (int64_t s2 = 0; s2 < S; ++s2)
+        if (!mb[s2]) pi[s2] = ninf;
+    for (int64_t s2 = S; s2 < Sp; ++s2) pi[s2] = ninf;
+    __m256 mx = _mm256_set1_ps(ninf);
+    for (int64_t s2 = 0; s2 < Sp; s2 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(pi + s2));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0x4e));
+    m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0xb1));
+    const __m256 m8 = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t s2 = 0; s2 < Sp; s2 += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + s2), m8));
+      _mm256_storeu_ps(pi + s2, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+    for (int64_t s2 = 0; s2 < Sp; s2 += 8) _mm256_storeu_ps(pi + s2, _mm256_mul_ps(_mm256_loadu_ps(pi + s2), inv));
   }
 }
 
@@ -2350,6 +2380,173 @@ struct KVView {
   int64_t len(int64_t b) const { return rows ? rows[2 * b + 1] : S; }
 };
 
+// ---- The AVX-512 form of attention (hd a multiple of 16, up to 128; set_isa chooses it as it
+// chooses the micro-kernels'). A key is loaded and widened once for every query of its group
+// (the AVX2 form widens it once per query), 8 keys at a time: NG x 8 accumulators, one FMA chain
+// per (query, key) over the head's 16-wide chunks, then each chain's 16 lanes added in one tree.
+// A key's score does not depend on where it falls among the 8 (the tail's single keys take the
+// same tree), so a row's scores are the same whatever its length or padding. The softmax is the
+// AVX2 form's and the weighted values are the same FMA chains, 16 dimensions a register: outputs
+// differ from the AVX2 form's only in how each score's products are added.
+SD_AVX512 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SD_AVX512 static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+SD_AVX512 static inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The 16 lanes of a halved to 8 (lane m + lane m + 8): the first step of every score's tree.
+SD_AVX512 static inline __m256 fold16(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+
+// The sums of 8 chains' lanes, one per lane: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7))
+// of each chain's folded lanes h.
+SD_AVX512 static inline __m256 sums8(const __m512* a) {
+  const __m256 t0 = _mm256_hadd_ps(fold16(a[0]), fold16(a[1])), t1 = _mm256_hadd_ps(fold16(a[2]), fold16(a[3]));
+  const __m256 t2 = _mm256_hadd_ps(fold16(a[4]), fold16(a[5])), t3 = _mm256_hadd_ps(fold16(a[6]), fold16(a[7]));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The same tree for one chain.
+SD_AVX512 static inline float sum1(__m512 a) {
+  const __m256 h = fold16(a);
+  const __m256 t = _mm256_hadd_ps(h, h), u = _mm256_hadd_ps(t, t);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+// Scores of 8 keys (k, ks elements apart) for NG queries (q, hd apart), times sc, into p[i * sp + j].
+template <int NG, int ND, typename KT>
+SD_AVX512 static inline void scores8(const float* q, int64_t hd, const KT* k, int64_t ks, float sc, float* p,
+                                     int64_t sp) {
+  __m512 a[NG][8];
+#pragma GCC unroll 8
+  for (int c = 0; c < ND; ++c) {
+    __m512 qc[NG];
+    for (int i = 0; i < NG; ++i) qc[i] = _mm512_loadu_ps(q + i * hd + 16 * c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512 kv = load16(k + j * ks + 16 * c);
+      for (int i = 0; i < NG; ++i) a[i][j] = c == 0 ? _mm512_mul_ps(qc[i], kv) : _mm512_fmadd_ps(qc[i], kv, a[i][j]);
+    }
+  }
+  for (int i = 0; i < NG; ++i) _mm256_storeu_ps(p + i * sp, _mm256_mul_ps(sums8(a[i]), _mm256_set1_ps(sc)));
+}
+
+template <int ND, typename KT>
+SD_AVX512 static inline float score1(const float* q, const KT* k) {
+  __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), load16(k));
+  for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(k + 16 * c), a);
+  return sum1(a);
+}
+
+// weighted_values with 16 dimensions a register: NG queries x NV registers of dimensions.
+// pf: rows (pfs bytes apart, pfn of them) to ask for while the values are read: the next task's keys.
+template <int NG, int NV, typename KT>
+SD_AVX512 static inline void weighted_values512(const float* p, int64_t sp, const KT* v, int64_t vs, int64_t S,
+                                                const bool* mb, float* o, int64_t hd, const char* pf,
+                                                int64_t pfs, int64_t pfn) {
+  __m512 acc[NG][NV];
+  for (int i = 0; i < NG; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (s < pfn)
+      for (int64_t l = 0; l < pfs; l += 64) _mm_prefetch(pf + s * pfs + l, _MM_HINT_T0);
+    if (mb && !mb[s]) continue;
+    const KT* vr = v + s * vs;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(vr + 16 * j);
+    for (int i = 0; i < NG; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i * sp + s]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(w, vv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NG; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + i * hd + 16 * j, acc[i][j]);
+}
+
+template <int NG, typename KT>
+SD_AVX512 static inline void weighted_values512_nv(int nv, const float* p, int64_t sp, const KT* v, int64_t vs,
+                                                   int64_t S, const bool* mb, float* o, int64_t hd, const char* pf,
+                                                   int64_t pfs, int64_t pfn) {
+  switch (nv) {
+    case 4: return weighted_values512<NG, 4>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+    case 3: return weighted_values512<NG, 3>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+    case 2: return weighted_values512<NG, 2>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+    default: return weighted_values512<NG, 1>(p, sp, v, vs, S, mb, o, hd, pf, pfs, pfn);
+  }
+}
+
+// One (row, KV head) task: the G queries at qg, keys kb / values vb (ks / vs apart), S of them
+// (mb: which to attend to, or null), outputs at ob; p: G rows of Sp scores. nk: the next task's
+// first nS keys (or null), asked for while this task reads its values.
+template <int ND, typename KT>
+SD_AVX512 void attend_task512(const float* qg, int64_t G, const KT* kb, int64_t ks, const KT* vb, int64_t vs,
+                              int64_t S, const bool* mb, float sc, float* p, int64_t Sp, float* ob, const KT* nk,
+                              int64_t nS) {
+  constexpr int64_t hd = 16 * ND, LINE = 64 / sizeof(KT);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    bool any = !mb;
+    for (int j = 0; j < 8 && !any; ++j) any = mb[s + j];
+    if (!any) {
+      for (int64_t i = 0; i < G; ++i)
+        for (int j = 0; j < 8; ++j) p[i * Sp + s + j] = ninf;
+      continue;
+    }
+    const KT* k0 = kb + s * ks;
+    for (int64_t j = 0; j < 8; ++j)  // streams too short for the hardware prefetcher alone
+      for (int64_t d = 0; d < hd; d += LINE) {
+        if (s + 16 + j < S) _mm_prefetch(reinterpret_cast<const char*>(k0 + (16 + j) * ks + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vb + (s + j) * vs + d), _MM_HINT_T1);
+      }
+    int64_t i = 0;
+    for (; i + 3 <= G; i += 3) scores8<3, ND>(qg + i * hd, hd, k0, ks, sc, p + i * Sp + s, Sp);
+    if (G - i == 2) scores8<2, ND>(qg + i * hd, hd, k0, ks, sc, p + i * Sp + s, Sp);
+    if (G - i == 1) scores8<1, ND>(qg + i * hd, hd, k0, ks, sc, p + i * Sp + s, Sp);
+  }
+  for (; s < S; ++s)
+    for (int64_t i = 0; i < G; ++i) p[i * Sp + s] = score1<ND>(qg + i * hd, kb + s * ks) * sc;
+  softmax_rows(p, G, S, Sp, mb);
+  for (int64_t d = 0; d < hd; d += 64) {  // weighted values, 64 (or fewer) dimensions x 3 queries in registers
+    const int nv = int(std::min<int64_t>(4, (hd - d) / 16));
+    for (int64_t i = 0; i < G; i += 3) {
+      const float* pi = p + i * Sp;
+      const char* pk = reinterpret_cast<const char*>(nk);  // the next task's keys, in the first pass
+      const int64_t pfs = hd * int64_t(sizeof(KT)), pfn = d == 0 && i == 0 ? std::min(nS, S) : 0;
+      switch (std::min<int64_t>(3, G - i)) {
+        case 3: weighted_values512_nv<3>(nv, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd, pk, pfs, pfn); break;
+        case 2: weighted_values512_nv<2>(nv, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd, pk, pfs, pfn); break;
+        default: weighted_values512_nv<1>(nv, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd, pk, pfs, pfn); break;
+      }
+    }
+  }
+}
+
+template <typename KT>
+using AttendTask = void (*)(const float*, int64_t, const KT*, int64_t, const KT*, int64_t, int64_t, const bool*, float,
+                            float*, int64_t, float*, const KT*, int64_t);
+
+// attend_task512 for a head of hd dimensions, or null where the AVX-512 form has none.
+template <typename KT>
+AttendTask<KT> attend_task512_for(int64_t hd) {
+  switch (hd) {
+    case 128: return attend_task512<8, KT>;
+    case 112: return attend_task512<7, KT>;
+    case 96: return attend_task512<6, KT>;
+    case 80: return attend_task512<5, KT>;
+    case 64: return attend_task512<4, KT>;
+    case 48: return attend_task512<3, KT>;
+    case 32: return attend_task512<2, KT>;
+    case 16: return attend_task512<1, KT>;
+    default: return nullptr;
+  }
+}
+
 // One decode step of attention, T = 1, q [B, H, hd] contiguous; mask [B, S]
 // (dense views only; true = attend) or null. Each task (row, KV head) reads
 // its keys and values once for all H / KVH query heads of its group, and skips
@@ -2363,6 +2560,7 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
   for (int64_t b = 0; b < B; ++b) maxS = std::max(maxS, kv.len(b));
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t ks = kv.ks, vs = kv.vs;
+  const AttendTask<KT> task512 = g_avx512 ? attend_task512_for<KT>(hd) : nullptr;
   at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
     const int64_t Spmax = (maxS + 7) / 8 * 8;
     std::vector<float> p(G * Spmax);
@@ -2373,6 +2571,15 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
       const KT* vb = kv.vptr(b, g);
       const float* qg = qa + (b * H + g * G) * hd;
       const bool* mb = ma ? ma + b * kv.S : nullptr;
+      // the keys of this thread's next task, asked for while this one reads its values (rows of
+      // contiguous keys only): a task's keys are too short a stream for the hardware prefetcher
+      const bool more = t + 1 < t1 && ks == hd;
+      const KT* nk = more ? kv.kptr((t + 1) / KVH, (t + 1) % KVH) : nullptr;
+      const int64_t nS = more ? kv.len((t + 1) / KVH) : 0;
+      if (task512) {
+        task512(qg, G, kb, ks, vb, vs, S, mb, sc, p.data(), Sp, oa + (b * H + g * G) * hd, nk, nS);
+        continue;
+      }
       int64_t s = 0;
       for (; s + 4 <= S; s += 4) {  // scores, four keys at a time for every query of the group
         if (mb && !(mb[s] | mb[s + 1] | mb[s + 2] | mb[s + 3])) {
@@ -2410,37 +2617,19 @@ void attend(const float* qa, int64_t B, int64_t H, int64_t hd, int64_t KVH, cons
           p[i * Sp + s] = hsum(acc) * sc;
         }
       }
-      for (int64_t i = 0; i < G; ++i) {  // softmax of each query's row
-        float* pi = p.data() + i * Sp;
-        if (mb)
-          for (int64_t s2 = 0; s2 < S; ++s2)
-            if (!mb[s2]) pi[s2] = ninf;
-        for (int64_t s2 = S; s2 < Sp; ++s2) pi[s2] = ninf;
-        __m256 mx = _mm256_set1_ps(ninf);
-        for (int64_t s2 = 0; s2 < Sp; s2 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(pi + s2));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0x4e));
-        m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 0xb1));
-        const __m256 m8 = _mm256_set1_ps(_mm_cvtss_f32(m4));
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t s2 = 0; s2 < Sp; s2 += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + s2), m8));
-          _mm256_storeu_ps(pi + s2, e);
-          sum = _mm256_add_ps(sum, e);
-        }
-        const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
-        for (int64_t s2 = 0; s2 < Sp; s2 += 8) _mm256_storeu_ps(pi + s2, _mm256_mul_ps(_mm256_loadu_ps(pi + s2), inv));
-      }
+      softmax_rows(p.data(), G, S, Sp, mb);
       float* ob = oa + (b * H + g * G) * hd;
       for (int64_t d = 0; d < hd;) {  // weighted values, 32 (or 8) dimensions x 3 queries in registers
         const bool wide = hd - d >= 32;
         for (int64_t i = 0; i < G; i += 3) {
           const int ng = int(std::min<int64_t>(3, G - i));
           const float* pi = p.data() + i * Sp;
+          const char* pk = reinterpret_cast<const char*>(nk);
+          const int64_t pfs = hd * int64_t(sizeof(KT)), pfn = d == 0 && i == 0 ? std::min(nS, S) : 0;
           if (wide)
-            weighted_values_ng<4>(ng, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd);
+            weighted_values_ng<4>(ng, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd, pk, pfs, pfn);
           else
-            weighted_values_ng<1>(ng, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd);
+            weighted_values_ng<1>(ng, pi, Sp, vb + d, vs, S, mb, ob + i * hd + d, hd, pk, pfs, pfn);
         }
         d += wide ? 32 : 8;
       }
