@@ -88,6 +88,25 @@ def test_decode_attention_on_a_half_width_pool_is_attention_on_its_values_widene
         k.decode_attention(q, kp, vp.float(), None, hd ** -0.5, rows)
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="no compiled kernels on this machine")
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_decode_step_stores_keys_and_values_rounded_as_torch_rounds_them(dtype):
+    """The native step's store (8 values at a time) rounds to nearest-even as ``.to(dtype)`` does:
+    ties either way, values past the largest finite, subnormals, zeros, infinities, NaN."""
+    k = kernels.load()
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(4096, generator=g) * 10.0 ** torch.randint(-8, 6, (4096,), generator=g),
+                   torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -8),
+                                 65520.0, 65519.0, 1e38, 3.4e38, -3.4e38, 2 ** -25, 2 ** -24 * 1.5, 1e-40, -0.0,
+                                 0.0, float("inf"), float("-inf"), float("nan")])])
+    x = torch.cat([x, torch.zeros(-len(x) % 8)])
+    got, want = k.kv_round(x, torch.empty(0, dtype=dtype)), x.to(dtype)
+    assert got.dtype == dtype
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert torch.equal(got.isnan(), want.isnan())
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_a_half_width_pool_is_half_the_bytes_and_stores_each_key_rounded(deep, dtype):
     _, _, packed = deep

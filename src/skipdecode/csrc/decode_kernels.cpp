@@ -2296,9 +2296,26 @@ static inline __m256 load8(const c10::BFloat16* p) {  // a bf16 is the high half
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-template <typename KT>
-static inline void store_kv(const float* src, int64_t n, KT* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = KT(src[i]);  // c10's conversions round to nearest-even
+// n values (n a multiple of 8: a head) rounded to the pool's element as c10's conversions round
+// them (to nearest-even; a NaN stays a NaN), 8 at a time: the scalar conversions had taken about a
+// millisecond of a 32-row step.
+static inline void store_kv(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+static inline void store_kv(const float* src, int64_t n, c10::Half* dst) {  // F16C
+  for (int64_t i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline void store_kv(const float* src, int64_t n, c10::BFloat16* dst) {
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), qnan = _mm256_set1_epi32(0x7FC0);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);  // ties to the even bf16
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 8 x 16 bits, in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+  }
 }
 
 // Weighted values of one (row, KV head) task for NG query heads and NV * 8
@@ -2654,6 +2671,19 @@ void with_kv_type(const torch::Tensor& t, F&& f) {
     case torch::kBFloat16: return f(c10::BFloat16{});
     default: check(false, "keys and values must be float32, float16 or bfloat16");
   }
+}
+
+// x (float32, contiguous, a multiple of 8 values) as a decode step stores it into a KV pool of
+// dtype's element: the rounding store_kv applies, for tests against torch's .to(dtype).
+torch::Tensor kv_round(const torch::Tensor& x, const torch::Tensor& like) {
+  check(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() % 8 == 0,
+        "kv_round takes a contiguous float32 tensor of a multiple of 8 values");
+  auto out = torch::empty(x.sizes(), x.options().dtype(like.scalar_type()));
+  with_kv_type(like, [&](auto tag) {
+    using KT = decltype(tag);
+    store_kv(x.data_ptr<float>(), x.numel(), static_cast<KT*>(out.data_ptr()));
+  });
+  return out;
 }
 
 // Attention of one query position per row. Dense: keys/values [B, KVH, S, hd]
@@ -3057,6 +3087,7 @@ void check_pool(const torch::Tensor& kpool, const torch::Tensor& vpool) {
 
 // The layer's weights against the hidden size D and its pool's KV heads and head size.
 void check_layer(const FusedLayer& L, int64_t D, int64_t KVH, int64_t hd) {
+  check(hd % 8 == 0, "head_dim must be a multiple of 8");
   const int64_t nqkv = (L.H + 2 * KVH) * hd, I = L.w2.size(1) * (L.w2.scalar_type() == torch::kByte ? 2 : 1);
   check_packed(L.wqkv, D, nqkv, L.bqkv, L.sqkv);
   check_packed(L.wo, L.H * hd, D, L.bo, L.so);
@@ -3499,6 +3530,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, HF's order of operations");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] tensor");
+  m.def("kv_round", &kv_round, "x rounded as a decode step stores it into a KV pool of like's dtype",
+        py::arg("x"), py::arg("like"));
   m.def("decode_attention", &decode_attention, "one query position per row, grouped KV heads read once",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
   m.def("steal_counts", &steal_counts, "times parallel_steal hands out each index, then the ranges it handed out",
