@@ -11,12 +11,13 @@ measures it (the fastest reader of a 1 GiB probe, best of a measurement before e
 
 A 64-token greedy decode of one E2E prompt (``--rows R``: R prompts, row i gets the benchmark
 prompt i mod 8, as ``skipdecode bench`` does) on ``default-e2e`` at full depth (``--speedup S``
-for a skip schedule), the run with the best step of ``RUNS``. Runs without the clock are
+for a skip schedule; ``--kv-dtype float16`` for the KV cache ``skipdecode bench --llamacpp
+--kv-dtype float16`` compares with), the run with the best step of ``RUNS``. Runs without the clock are
 interleaved with the timed ones and their best step is reported too (``untimed_step_ms``): the
 clock's own cost is the difference.
 
 Run from the repository root:
-    .venv/bin/python benchmarks/step_phases.py OUT.json [--rows R] [--speedup S] [--dtype D ...]
+    .venv/bin/python benchmarks/step_phases.py OUT.json [--rows R] [--speedup S] [--kv-dtype K] [--dtype D ...]
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ GEMMS = {"qkv": "wqkv", "o": "wo", "gate_up": "w13", "down": "w2"}  # phase -> t
 LAYER_PHASES = ("norm1", "qkv", "rope", "attention", "o", "norm2", "gate_up", "silu", "down")
 
 
-def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor) -> dict:
-    llm = LLM.load("default-e2e", dtype=dtype)
+def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor, kv_dtype: str | None = None) -> dict:
+    llm = LLM.load("default-e2e", dtype=dtype, kv_dtype=kv_dtype)
     net = llm.model
     k = net._stack_kernels
     if not net.native_greedy(rows) or not hasattr(k, "set_phase_timing"):
@@ -71,7 +72,8 @@ def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor) -> dict:
     per_step = {p: best[p][0] / steps for p in best}
     layer_calls = best["qkv"][1] / steps  # layers run per step (every row on the same layers)
     block = net.layers[0]  # every block's linears have the same shapes and dtypes
-    out = {"dtype": dtype, "rows": rows, "speedup": speedup, "layers_per_step": round(layer_calls, 2),
+    out = {"dtype": dtype, "rows": rows, "speedup": speedup, "kv_dtype": kv_dtype or "float32",
+           "layers_per_step": round(layer_calls, 2),
            "step_ms": round(per_step["step"] * 1e3, 3), "untimed_step_ms": round(untimed * 1e3, 3),
            "read_bandwidth_gb_per_s": round(bandwidth, 1), "phases": {}}
     for p in LAYER_PHASES + ("head",):
@@ -102,6 +104,10 @@ def phases(dtype: str, rows: int, speedup: float, probe: torch.Tensor) -> dict:
 
 def main() -> None:
     args = sys.argv[1:]
+    if {"-h", "--help"} & set(args):
+        print(__doc__)
+        return
+    kv_dtype = pop_option(args, "--kv-dtype")
     rows = int(pop_option(args, "--rows") or 1)
     speedup = float(pop_option(args, "--speedup") or 1.0)
     dtypes = []
@@ -110,10 +116,11 @@ def main() -> None:
     probe = read_probe()
     results = []
     for dt in dtypes or DTYPES:
-        r = phases(dt, rows, speedup, probe)
+        r = phases(dt, rows, speedup, probe, kv_dtype)
         results.append(r)
         print(json.dumps(r), flush=True)
-    out = {"model": "default-e2e", "rows": rows, "speedup": speedup, "new_tokens": N, "runs": RUNS,
+    out = {"model": "default-e2e", "rows": rows, "speedup": speedup, "kv_dtype": kv_dtype or "float32",
+           "new_tokens": N, "runs": RUNS,
            "threads": torch.get_num_threads(),
            "machine": machine_info(), "results": results,
            "command": "python benchmarks/step_phases.py " + " ".join(sys.argv[1:])}

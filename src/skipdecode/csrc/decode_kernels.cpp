@@ -2297,8 +2297,8 @@ static inline __m256 load8(const c10::BFloat16* p) {  // a bf16 is the high half
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 // n values (n a multiple of 8: a head) rounded to the pool's element as c10's conversions round
-// them (to nearest-even; a NaN stays a NaN), 8 at a time: the scalar conversions had taken about a
-// millisecond of a 32-row step.
+// them (to nearest-even; a NaN stays a NaN), 8 at a time: c10's scalar conversions had taken 1.4-1.8 ms
+// of a 32-row step on an AMD EPYC (benchmarks/results/epyc/kernel-ab-kv-store-vectorized.json).
 static inline void store_kv(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
 static inline void store_kv(const float* src, int64_t n, c10::Half* dst) {  // F16C
   for (int64_t i = 0; i < n; i += 8)
