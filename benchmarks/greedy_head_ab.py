@@ -1,15 +1,19 @@
-"""Greedy decode steps with the fp32 LM head's bf16 pass (kernels.greedy_head) against the full head.
+"""Greedy decode steps with the LM head's approximate pass against the full head.
 
 A greedy step needs each row's argmax, not its logits. ``Transformer.greedy_steps`` picks it from
-the head's bf16 copy (half the head's bytes) and the exact fp32 logits of the few token ids the
-copy's error bound leaves in doubt (``model.head_bound``); ``greedy_approx = False`` reads every
-logit from the fp32 head. The two must give the same tokens (the run stops if they do not). This
-times both on ``default-e2e`` (fp32, 64 greedy tokens, the bench's E2E prompts, best of
-interleaved rounds with the order alternating) at each row count and speedup, and counts how many
-token ids each step's bf16 pass left in doubt (from the Python form of the same pick: the bf16
-copy on x as it is, where the tiles take x's top bf16 half, so the count is close, not exact).
-Run from the repository root:
-    .venv/bin/python benchmarks/greedy_head_ab.py [OUT.json] [--rows 1,8,32] [--speedups 1,3]
+an approximate pass and the exact logits of the few token ids the pass's error bound leaves in
+doubt; ``greedy_approx = False`` reads every logit from the full head. An fp32 head's pass is its
+bf16 copy (half the head's bytes, ``kernels.greedy_head``, ``model.head_bound``); an int8 head's
+(the int8 and int4 dtypes) is the same int8 weights packed for int8 activations
+(``kernels.greedy_head_int8``, ``model.int8_head_bound``), run at the row counts where
+``dispatch.int8_greedy_head_plan`` measured it no slower. The two must give the same tokens (the
+run stops if they do not). This times both on ``default-e2e`` (64 greedy tokens, the bench's E2E
+prompts, best of interleaved rounds with the order alternating) at each row count and speedup, and
+counts how many token ids each step's pass left in doubt (from the Python form of the same pick:
+for the bf16 copy on x as it is, where the tiles take x's top bf16 half, so the count is close,
+not exact). Run from the repository root:
+    .venv/bin/python benchmarks/greedy_head_ab.py [OUT.json] [--dtype float32|int8|int4] [--rows 1,8,32]
+        [--speedups 1,3]
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from pathlib import Path
 import torch
 
 from kernel_ab import NEW_TOKENS, ROUNDS, ab_model, pop_option  # the same timing and options
-from skipdecode import LLM, kernels
+from skipdecode import LLM, dispatch, kernels
 from skipdecode.bench.decode import PROMPTS, machine_info
 from skipdecode.generate import generate_tokens
+from skipdecode.model import int8_head_row_factor
 
 
 def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
@@ -32,11 +37,16 @@ def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
     head, k = net.lm_head, net.kernels
     counts = []
     real = net.head
+    int8 = head.approx.dtype == torch.int8
 
     def head_counting(x):
         h = net.final_hidden(x).reshape(-1, head.in_features)
-        a = k.linear(h, head.approx, None, head.out_features, None, 0).double()
-        b = h.double().norm(dim=1, keepdim=True) * head.approx_bound.double()
+        if int8:  # the int8-activation pass and its rows' own factors
+            a = k.linear(h, head.approx, None, head.out_features, head.panel_scales, 1).double()
+            b = int8_head_row_factor(h)[:, None] * head.approx_bound.double()
+        else:
+            a = k.linear(h, head.approx, None, head.out_features, None, 0).double()
+            b = h.double().norm(dim=1, keepdim=True) * head.approx_bound.double()
         counts.append(int(((a + b) >= (a - b).max(dim=1, keepdim=True).values).any(dim=0).sum()))
         return real(x)
 
@@ -59,11 +69,14 @@ def main() -> None:
     args = sys.argv[1:]
     rows = [int(r) for r in (pop_option(args, "--rows") or "1,8,32").split(",")]
     speedups = [float(s) for s in (pop_option(args, "--speedups") or "1,3").split(",")]
+    dtype = pop_option(args, "--dtype") or "float32"
     out = Path(args[0]) if args else Path("benchmarks/results/greedy-head-ab.json")
-    llm = LLM.load("default-e2e", dtype="float32")
+    llm = LLM.load("default-e2e", dtype=dtype)
     net = llm.model
     if net.lm_head.approx is None:
-        raise SystemExit("the fp32 head has no bf16 copy here (no compiled kernels?)")
+        raise SystemExit(f"the {dtype} head has no approximate pass here (no compiled kernels, or an int8 head "
+                         "whose pass was measured slower at every row count)")
+    pass_name = "int8" if net.lm_head.approx.dtype == torch.int8 else "bf16"
     results = []
     for b in rows:
         ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(b)]
@@ -72,21 +85,26 @@ def main() -> None:
         for sp in speedups:
             sched = llm.make_schedule(speedup=sp, expected_new_tokens=NEW_TOKENS)
             # interleaved rounds after a warm-up, order alternating; stops if the two pick other tokens
-            best, _ = ab_model(net, lambda m, on: setattr(m, "greedy_approx", on), {"full": False, "bf16": True},
+            best, _ = ab_model(net, lambda m, on: setattr(m, "greedy_approx", on), {"full": False, "pass": True},
                                ids, sched, f"{b} rows at {sp:g}x")
             net.greedy_approx = True
+            used = bool(net.lm_head.greedy_plan[dispatch.bucket(b)])
             doubt = ids_in_doubt(net, ids, sched)
             r = {"rows": b, "speedup": sp, "ms_per_step_full_head": round(best["full"], 3),
-                 "ms_per_step_bf16_pass": round(best["bf16"], 3),
-                 "full_over_bf16_pass": round(best["full"] / best["bf16"], 3), "same_tokens": True,
+                 f"ms_per_step_{pass_name}_pass": round(best["pass"], 3),
+                 f"full_over_{pass_name}_pass": round(best["full"] / best["pass"], 3), "same_tokens": True,
+                 "pass_in_plan": used,
                  "ids_in_doubt_per_step": {"mean": round(sum(doubt) / len(doubt), 2), "max": max(doubt)}}
             results.append(r)
             print(json.dumps(r), flush=True)
     head = net.lm_head
     report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "kernel_forms": {"isa": kernels.isa()}, "model": "default-e2e", "dtype": "float32",
-              "new_tokens": NEW_TOKENS, "head_bytes": {"float32": head.packed.numel() * 4,
-                                                       "bfloat16_copy": head.approx.numel() * 2},
+              "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()}, "model": "default-e2e",
+              "dtype": dtype, "new_tokens": NEW_TOKENS,
+              "head_bytes": {str(head.packed.dtype).removeprefix("torch."): head.packed.nbytes,
+                             f"{str(head.approx.dtype).removeprefix('torch.')}_copy": head.approx.nbytes},
+              "pass_in_plan_note": "pass_in_plan: whether greedy steps of that many rows take the pass (the head's "
+                                   "greedy_plan); where not, both settings run the full head",
               "timing": f"decode seconds over the {NEW_TOKENS - 1} steps after the first token, best of {ROUNDS} "
                         "interleaved rounds (order alternating) after a warm-up round",
               "command": "python benchmarks/greedy_head_ab.py " + " ".join(sys.argv[1:]), "results": results}

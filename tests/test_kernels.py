@@ -414,6 +414,145 @@ def test_greedy_head_takes_the_full_head_where_the_bound_does_not_hold(k):
         k.greedy_head(x, P, V, P, c, w)
 
 
+def _int8_head_with_near_ties(V: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random int8 head (q, scales) whose rows include exact ties (a copy: the first id must
+    win), a permutation of a row (the same true product for a constant x, other rounding), a copy
+    one step apart in one weight, and a tie with the last id."""
+    from skipdecode.model import quantize_int8
+
+    q, sc = quantize_int8(torch.randn(V, K, generator=_gen(seed)) * 0.05)
+    sc[7] = sc[11] = sc[12] = sc[V - 1] = sc[3]
+    q[7] = q[3]
+    q[11] = q[3][torch.randperm(K, generator=_gen(seed + 1))]
+    q[12] = q[3]
+    q[12, 5] = q[3, 5] + (1 if q[3, 5] < 127 else -1)
+    q[V - 1] = q[3]
+    return q, sc
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 31, 32, 40])
+def test_greedy_head_int8_picks_the_full_int8_heads_argmax_in_every_form_and_row_count(k, isa, a8_form, rows):
+    """kernels.greedy_head_int8 (an int8-activation pass over the head packed as w8a8's, then the
+    exact logits of the ids its bound leaves in doubt) picks what argmax_rows picks from the full
+    int8 head's logits (fp32 activations), ties and near-ties included, with every form of the
+    integer pass and of the fp32-activation panels, at every row count."""
+    from skipdecode.model import int8_head_bound
+
+    V, K = 1000, 96
+    q, sc = _int8_head_with_near_ties(V, K, rows)
+    P, S, A, c = kernels.pack_weight(q), kernels.pack_scales(sc), kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
+    x1 = torch.randn(rows, K, generator=_gen(rows + 7)) * 3
+    x1[0, :32] *= 1e-3  # blocks of very different scale
+    x2 = torch.full((rows, K), 0.25)  # rows 3, 7, 11, 12 and V - 1 nearly or exactly tied at the top
+    x2[:, 5] = 1.0
+    for x in (x1, x2):
+        full = k.argmax_rows(k.linear(x, P, None, V, S, 0))
+        assert torch.equal(k.greedy_head_int8(x, P, S, V, A, c), full)
+    q2 = q.clone()
+    q2[3] = q2[3].abs().clamp(max=126) + 1
+    for i in (7, 12, V - 1):
+        q2[i] = q2[3]
+    q2[11] = q2[3][torch.randperm(K, generator=_gen(3))]
+    q2[12, 5] = q2[3, 5] - 1
+    P2, A2, c2 = kernels.pack_weight(q2), kernels.pack_int8_vnni(q2), int8_head_bound(q2, sc)
+    full = k.argmax_rows(k.linear(x2, P2, None, V, S, 0))
+    assert torch.equal(k.greedy_head_int8(x2, P2, S, V, A2, c2), full)
+    assert int(full[0]) in (3, 11)  # the near-tied top: row 3 (its copies 7 and V - 1 after it) or its permutation
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_the_int8_pass_stays_within_the_bound_greedy_head_int8_counts(k, a8_form, rows):
+    """The int8-activation pass differs from the full int8 head by at most nx_r c_n: c_n =
+    int8_head_bound's ||w_n||_2 and nx_r the row's factor as greedy_head_int8 computes it
+    (int8_head_row_factor: its activations' own quantization error, 5% over, plus both sides' fp32
+    summation), with x random, with blocks of very different scale, and with huge and tiny values. And the bound is
+    of use: random rows leave under 1% of the ids in doubt on average, 2% at most."""
+    from skipdecode.model import int8_head_bound, int8_head_row_factor, quantize_int8
+
+    V, K = 600, 576
+    q, sc = quantize_int8(torch.randn(V, K, generator=_gen(rows)) * 0.05)
+    c = int8_head_bound(q, sc).double()
+    S = kernels.pack_scales(sc)
+    x = torch.randn(rows, K, generator=_gen(rows + 1))
+    x[0, 64:96] *= 1e4
+    x[-1, :32] *= 1e-6
+    z = k.linear(x, kernels.pack_weight(q), None, V, S, 0).double()
+    a = k.linear(x, kernels.pack_int8_vnni(q), None, V, S, 1).double()
+    nx = int8_head_row_factor(x)[:, None]
+    assert ((a - z).abs() <= nx * c).all()
+    doubt = ((a + nx * c) >= (a - nx * c).max(dim=1, keepdim=True).values).sum(dim=1)
+    assert doubt.float().mean() <= V / 100 and doubt.max() <= V // 50, doubt
+
+
+@needs_kernels
+def test_greedy_head_int8_takes_the_full_head_where_the_bound_does_not_hold(k):
+    """Rows with a NaN, an all-zero row and values past 1e30 take the full int8 head: the same
+    picks as argmax_rows there. Mismatched arguments are refused with what was wrong."""
+    from skipdecode.model import int8_head_bound, quantize_int8
+
+    V, K = 100, 64
+    q, sc = quantize_int8(torch.randn(V, K, generator=_gen(9)))
+    P, S, A, c = kernels.pack_weight(q), kernels.pack_scales(sc), kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
+    x = torch.randn(4, K, generator=_gen(10))
+    x[1, 3] = float("nan")
+    x[2] = 0.0
+    x[3] *= 1e32
+    assert torch.equal(k.greedy_head_int8(x, P, S, V, A, c), k.argmax_rows(k.linear(x, P, None, V, S, 0)))
+    with pytest.raises(RuntimeError, match="bound must be"):
+        k.greedy_head_int8(x, P, S, V, A, c[:-1])
+    with pytest.raises(RuntimeError, match="int8-activation copy"):
+        k.greedy_head_int8(x, P, S, V, kernels.pack_weight(q.float()), c)
+    with pytest.raises(RuntimeError, match="K % 32|multiple of 32|32"):
+        k.greedy_head_int8(x[:, :48].contiguous(), kernels.pack_weight(q[:, :48]), S, V,
+                           kernels.pack_int8_vnni(q[:, :48]), c)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_native_greedy_steps_pick_the_same_tokens_from_the_int8_heads_integer_pass(dtype, monkeypatch):
+    """The int8 and int4 dtypes keep the embedded model's head in int8; from 8 rows (the untimed
+    plan) greedy steps pick from its int8-activation pass and the exact logits of the ids it leaves
+    in doubt: the tokens of the full head, at full depth and at 3x. At one row they take the full
+    head."""
+    from skipdecode import LLM
+    from skipdecode.bench.decode import PROMPTS
+    from skipdecode.generate import generate_tokens
+
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
+    llm = LLM.load("default-e2e", dtype=dtype)
+    net, head = llm.model, llm.model.lm_head
+    assert head.approx is not None and head.approx.dtype == torch.int8 and head.packed.dtype == torch.int8
+    assert head.greedy_plan[dispatch.bucket(8)] and not head.greedy_plan[dispatch.bucket(1)]
+    assert net.native_greedy(8) and net.greedy_approx
+    ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+    for speedup in (1.0, 3.0):
+        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=24)
+        out = {}
+        for on in (True, False):
+            net.greedy_approx = on
+            out[on] = [r.token_ids for r in generate_tokens(net, ids, sched, 24, eos_token_ids=())[0]]
+        assert out[True] == out[False]
+
+
+@needs_kernels
+def test_an_int8_heads_greedy_plan_takes_the_integer_pass_where_it_was_measured_no_slower(k, monkeypatch, tmp_path):
+    """dispatch.int8_greedy_head_plan: untimed, from 8 rows where the head is on its panels; timed,
+    at the buckets where the pass and its exact logits took no longer than the full product on the
+    panels, and never where the head's own plan is torch's int8 GEMM."""
+    plan = ("hand", "hand", "hand", "hand", "hand", "int8mm", "hand", "hand")
+    assert dispatch.int8_greedy_head_plan(64, 32, k, plan) == (False, False, False, True, True, False, True, True)
+    monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
+    monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(dispatch, "time_greedy_head_int8", lambda *a, **kw: {
+        "greedy": [2.0, 1.0, 1.0, 2.0, 3.0, 1.0, 5.0, 1.0], "panels": [1.0, 3.0, 3.0, 2.0, 4.0, 4.0, 4.0, 4.0]})
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    assert dispatch.int8_greedy_head_plan(64, 32, k, plan) == (False, True, True, True, True, False, False, True)
+    assert json.loads((tmp_path / "autotune.json").read_text())  # measured once, kept for the next process
+    assert dispatch.int8_greedy_head_plan(64, 32, None, plan) == tuple(False for _ in dispatch.BUCKETS)
+
+
 @needs_kernels
 def test_packing_a_model_puts_every_linear_norm_and_block_on_the_kernels(tiny_models, tiny_packed):
     net = tiny_packed["llama"]

@@ -190,6 +190,33 @@ def head_bound(w: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def int8_head_bound(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per output ``n`` of an int8 head (``q [N, K]``, ``scales [N]``: the exact row ``w_n = s_n q_n``)
+    ``||w_n||_2``, rounded up: ``kernels.greedy_head_int8`` multiplies it by each row's own factor
+    (its activations' quantization error and both sides' fp32 summation, see there)."""
+    out = torch.empty(q.shape[0])
+    for i in range(0, q.shape[0], 4096):
+        n = (q[i:i + 4096].double() * scales[i:i + 4096].double()[:, None]).norm(dim=1)
+        out[i:i + 4096] = torch.nextafter((n * (1 + 2.0 ** -20)).float(), torch.tensor(float("inf")))
+    return out
+
+
+def int8_head_row_factor(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x [R, K]`` (K a multiple of 32), in float64, the factor ``nx_r`` that
+    ``kernels.greedy_head_int8`` multiplies ``int8_head_bound`` by: the row's own error from
+    quantizing it as the int8-activation pass does (blocks of 32, scale max|x| / 127, round half to
+    even), 5% over, plus both sides' fp32 summation. For tests and benchmarks that check the
+    bound or count the ids it leaves in doubt."""
+    R, K = x.shape
+    xb = x.reshape(R, K // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, 0.0)  # fp32, as the kernels compute it
+    xt = torch.round(xb * inv).clamp(-127, 127).double() * (amax / 127).double()
+    e = (xb.double() - xt).reshape(R, K).norm(dim=1)
+    nrm = x.double().norm(dim=1)
+    return 1.05 * (e + 4 * (K + 4) * 2.0 ** -24 * (nrm + e)) + 2.0 ** -40 * nrm
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``w ~= qweight * scales[:, None]`` (scales in bf16,
     the activation dtype torch's int8 GEMM takes)."""
@@ -546,7 +573,9 @@ class Transformer(nn.Module):
         # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
         head = {"int4": "int8", "w4a8": "w8a8", "w4a16": "w8a16"}.get(weights, weights)
         greedy = head == "float32" and self.lm_head.bias is None and k is not None
-        self.lm_head = PackedLinear(self.lm_head, k, head, keep_panels=greedy)
+        greedy8 = head == "int8" and self.lm_head.bias is None and k is not None and hasattr(k, "greedy_head_int8") \
+            and self.lm_head.in_features % kernels.INT4_GROUP == 0  # int8 activations: blocks of 32
+        self.lm_head = PackedLinear(self.lm_head, k, head, keep_panels=greedy or greedy8)
         if greedy:
             w = self._head_rows.float().contiguous()  # the dense head (tied: the embedding), kept for drafts
             self._head_rows = w
@@ -557,6 +586,17 @@ class Transformer(nn.Module):
             h.greedy_plan = dispatch.greedy_head_plan(*w.shape, k, h.plan)
             if not any(h.greedy_plan):  # neither the panels nor the bf16 pass ever run: drop them
                 h.packed = h.approx = h.approx_bound = None
+        if greedy8 and self.lm_head.packed is not None and self.lm_head.packed.dtype == torch.int8:
+            # an int8 head keeps a copy packed for int8 activations where greedy steps pick faster from
+            # its integer pass (kernels.greedy_head_int8; many rows), measured per bucket
+            h = self.lm_head
+            h.greedy_plan = dispatch.int8_greedy_head_plan(h.out_features, h.in_features, k, h.plan)
+            if any(h.greedy_plan):
+                q = h.packed.transpose(1, 2).reshape(-1, h.in_features)[:h.out_features]
+                sc = h.panel_scales[:h.out_features]
+                h.approx, h.approx_bound = kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
+            elif "hand" not in h.plan:  # kept for the pass alone, which never runs: drop them
+                h.packed = h.panel_scales = None
         if self.draft_head is not None:
             self.draft_head = PackedLinear(self.draft_head, k, head)
         for m in self.modules():
@@ -837,9 +877,14 @@ class Transformer(nn.Module):
         cos, sin = self._rope_tables[torch.float32][2:]
         head = self.lm_head
         # an fp32 head picks from its bf16 copy and the few exact logits that leaves in doubt (the same
-        # picks, half the head's bytes); a build of the kernels without greedy_head takes the full head
-        approx = {"head_approx": head.approx, "head_bound": head.approx_bound, "head_rows": self._head_rows} \
-            if self.greedy_approx and head.approx is not None and hasattr(self._stack_kernels, "greedy_head") else {}
+        # picks, half the head's bytes), an int8 head from its int8-activation pass where its greedy_plan
+        # has it (the same picks, fewer instructions); kernels without those functions take the full head
+        approx = {}
+        if self.greedy_approx and head.approx is not None and head.greedy_plan[dispatch.bucket(len(tokens))]:
+            if head.approx.dtype == torch.int8 and hasattr(self._stack_kernels, "greedy_head_int8"):
+                approx = {"head_approx": head.approx, "head_bound": head.approx_bound}
+            elif head.approx.dtype == torch.bfloat16 and hasattr(self._stack_kernels, "greedy_head"):
+                approx = {"head_approx": head.approx, "head_bound": head.approx_bound, "head_rows": self._head_rows}
         out = self._stack.greedy(torch.tensor(list(tokens), dtype=torch.long), pos, [list(l) for l in step_layers],
                                  [p[0] for p in pools], [p[1] for p in pools], starts, self.tok_emb.weight.detach(),
                                  cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1),

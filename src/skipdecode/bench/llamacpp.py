@@ -170,8 +170,8 @@ def linear_bytes(m, greedy_approx: bool = False) -> int:
     """Bytes of weights a batch-1 step reads from one linear (``step_bytes``'s rule; with
     ``greedy_approx``, an fp32 head with a bf16 copy reads the copy)."""
     w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
-    if getattr(m, "approx", None) is not None and greedy_approx:
-        w = "bfloat16"
+    if getattr(m, "approx", None) is not None and m.approx.dtype == torch.bfloat16 and greedy_approx:
+        w = "bfloat16"  # (an int8 head's copy for int8 activations is the same bytes as the head)
     return {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
             "int4": n * k // 2 + 2 * n * (k // 32)}[w]
 

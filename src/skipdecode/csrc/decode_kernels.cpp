@@ -2954,31 +2954,16 @@ torch::Tensor greedy_head_pass(const torch::Tensor& x, const torch::Tensor& appr
   return a;
 }
 
-torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int64_t vocab, const torch::Tensor& approx,
-                          const torch::Tensor& bound, const torch::Tensor& rows) {
-  check(h.scalar_type() == torch::kFloat, "float32 only");
-  const int64_t K = h.size(-1), V = vocab;
-  check(head.scalar_type() == torch::kFloat && approx.scalar_type() == torch::kBFloat16,
-        "greedy_head takes float32 head panels and their bfloat16 copy");
-  check_packed(head, K, V, c10::nullopt, c10::nullopt);
-  check_packed(approx, K, V, c10::nullopt, c10::nullopt);
-  check(bound.scalar_type() == torch::kFloat && bound.dim() == 1 && bound.size(0) == V && bound.is_contiguous(),
-        "bound must be [vocab] float32");
-  check(rows.scalar_type() == torch::kFloat && rows.dim() == 2 && rows.size(0) == V && rows.size(1) == K &&
-        rows.is_contiguous(), "rows must be the head's dense [vocab, in_features] float32 weight");
-  const auto x = h.reshape({-1, K}).contiguous();
-  const int64_t R = x.size(0);
-  const auto a = greedy_head_pass(x, approx, V);  // x's top bf16 half alone in two forms (head_bound counts it)
-  const float* aa = a.data_ptr<float>();
-  const float* ca = bound.data_ptr<float>();
+// The ids a greedy pick is in doubt between, over every row (sorted, each once): per row r the n with
+// a_n + nx_r c_n >= max_m (a_m - nx_r c_m), from approximate logits a [R, V] whose error is at most
+// nx_r c_n. False where a row is out of the bound's range (an approximate logit not finite or past
+// 1e30, nx_r not finite or under 2^-60): the caller takes the full head.
+bool ids_in_doubt(const float* aa, int64_t R, int64_t V, const float* nxa, const float* ca, std::vector<int64_t>& all) {
   std::vector<std::vector<int64_t>> ids(R);
   std::vector<char> bad(R, 0);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = x.data_ptr<float>() + r * K;
-      double ss = 0.0;
-      for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
-      const float nx = static_cast<float>(std::sqrt(ss) * (1.0 + 1e-6));  // rounded up past fp32's rounding
+      const float nx = nxa[r];
       const float* ar = aa + r * V;
       const __m256 n8 = _mm256_set1_ps(nx), huge = _mm256_set1_ps(1e30f), sign = _mm256_set1_ps(-0.f);
       __m256 lo = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), off = _mm256_setzero_ps();
@@ -3012,13 +2997,48 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
         if (ar[i] + nx * ca[i] >= t) ids[r].push_back(i);
     }
   });
-  std::vector<int64_t> all;
   for (int64_t r = 0; r < R; ++r) all.insert(all.end(), ids[r].begin(), ids[r].end());
   std::sort(all.begin(), all.end());
   all.erase(std::unique(all.begin(), all.end()), all.end());
   const int64_t C = static_cast<int64_t>(all.size());
-  if (std::any_of(bad.begin(), bad.end(), [](char c) { return c != 0; }) || C == 0 || C > GREEDY_HEAD_MAX_IDS)
+  return std::none_of(bad.begin(), bad.end(), [](char c) { return c != 0; }) && C > 0 && C <= GREEDY_HEAD_MAX_IDS;
+}
+
+// Each row's pick among the ids `all` from their exact logits z [R, C].
+torch::Tensor picks_among(const torch::Tensor& z, const std::vector<int64_t>& all) {
+  const int64_t R = z.size(0);
+  const auto pick = argmax_rows(z);
+  auto out = torch::empty({R}, torch::kLong);
+  for (int64_t r = 0; r < R; ++r) out.data_ptr<int64_t>()[r] = all[pick.data_ptr<int64_t>()[r]];
+  return out;
+}
+
+torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int64_t vocab, const torch::Tensor& approx,
+                          const torch::Tensor& bound, const torch::Tensor& rows) {
+  check(h.scalar_type() == torch::kFloat, "float32 only");
+  const int64_t K = h.size(-1), V = vocab;
+  check(head.scalar_type() == torch::kFloat && approx.scalar_type() == torch::kBFloat16,
+        "greedy_head takes float32 head panels and their bfloat16 copy");
+  check_packed(head, K, V, c10::nullopt, c10::nullopt);
+  check_packed(approx, K, V, c10::nullopt, c10::nullopt);
+  check(bound.scalar_type() == torch::kFloat && bound.dim() == 1 && bound.size(0) == V && bound.is_contiguous(),
+        "bound must be [vocab] float32");
+  check(rows.scalar_type() == torch::kFloat && rows.dim() == 2 && rows.size(0) == V && rows.size(1) == K &&
+        rows.is_contiguous(), "rows must be the head's dense [vocab, in_features] float32 weight");
+  const auto x = h.reshape({-1, K}).contiguous();
+  const int64_t R = x.size(0);
+  const auto a = greedy_head_pass(x, approx, V);  // x's top bf16 half alone in two forms (head_bound counts it)
+  std::vector<float> nx(R);  // B_n = ||x||_2 c_n
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x.data_ptr<float>() + r * K;
+    double ss = 0.0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
+    nx[r] = static_cast<float>(std::sqrt(ss) * (1.0 + 1e-6));  // rounded up past fp32's rounding
+  }
+  std::vector<int64_t> all;
+  if (!ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), bound.data_ptr<float>(), all))
     return argmax_rows(linear(x, head, c10::nullopt, V, c10::nullopt, A_FP32).view({R, V}));
+  const int64_t C = static_cast<int64_t>(all.size());
   auto panels = torch::zeros({(C + NR - 1) / NR, K, NR}, x.options());
   float* pa = panels.data_ptr<float>();
   const float* wa = rows.data_ptr<float>();
@@ -3027,11 +3047,69 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
     float* dst = pa + (j / NR) * K * NR + j % NR;
     for (int64_t k = 0; k < K; ++k) dst[k * NR] = src[k];
   }
-  const auto z = linear(x, panels, c10::nullopt, C, c10::nullopt, A_FP32);
-  const auto pick = argmax_rows(z.view({R, C}));
-  auto out = torch::empty({R}, torch::kLong);
-  for (int64_t r = 0; r < R; ++r) out.data_ptr<int64_t>()[r] = all[pick.data_ptr<int64_t>()[r]];
-  return out;
+  return picks_among(linear(x, panels, c10::nullopt, C, c10::nullopt, A_FP32).view({R, C}), all);
+}
+
+// ---- Greedy picks from an int8 LM head (int8 weights with fp32 activations: the int8 and int4
+// dtypes' head). At 32 rows its full product is a fifth of a step (benchmarks/results/epyc/
+// step-phases-b32-f16.json), bound by one widening and one FMA per 16 multiply-adds. The pass here
+// runs the same int8 weights, packed for int8 activations (pack_int8_vnni: as w8a8's panels), on
+// the integer dot products with x quantized as w8a8 quantizes it: x~ (blocks of 32, scale
+// max|x| / 127). With w_n = s_n q_n the exact weight row, the pass's error against the exact
+// logit is at most |(x - x~) . w_n| (at most ||x - x~||_2 ||w_n||_2, Cauchy-Schwarz) plus each
+// side's fp32 rounding: the pass sums exact int32 block sums over K / 32 blocks, the full head K
+// products, each within (K + 4) 2^-24 ||x||_2 ||w_n||_2 (x~ within ||x|| + ||x - x~|| of 0),
+// counted twice over as head_bound counts it; 5% over the whole, plus 2^-40 ||x|| for products a
+// tile unit flushes to zero. So B_n = nx_r c_n with c_n = ||w_n||_2 (int8_head_bound, rounded up)
+// and nx_r from this row's own ||x - x~||_2, measured from the quantization the pass runs. On
+// default-e2e's prompts that leaves about 12 ids a row in doubt on average; the full head's
+// picks come from their exact logits (the head's own int8 columns, through the same linear).
+torch::Tensor greedy_head_int8(const torch::Tensor& h, const torch::Tensor& head, const torch::Tensor& scale,
+                               int64_t vocab, const torch::Tensor& approx, const torch::Tensor& bound) {
+  check(h.scalar_type() == torch::kFloat, "float32 only");
+  const int64_t K = h.size(-1), V = vocab;
+  check(head.scalar_type() == torch::kChar && approx.scalar_type() == torch::kChar,
+        "greedy_head_int8 takes int8 head panels and their int8-activation copy (kernels.pack_int8_vnni)");
+  check_packed(head, K, V, c10::nullopt, scale);
+  check_packed(approx, K, V, c10::nullopt, scale);
+  check_a8(approx, K, A_INT8);
+  check(bound.scalar_type() == torch::kFloat && bound.dim() == 1 && bound.size(0) == V && bound.is_contiguous(),
+        "bound must be [vocab] float32");
+  const auto x = h.reshape({-1, K}).contiguous();
+  const int64_t R = x.size(0);
+  const float* xa = x.data_ptr<float>();
+  const auto a = linear(x, approx, c10::nullopt, V, scale, A_INT8);
+  QuantX qx;  // x~ as the pass quantized it
+  quantize_rows(xa, R, K, qx, false);
+  std::vector<float> nx(R);
+  const double sum_err = 4.0 * double(K + 4) * 0x1p-24;
+  for (int64_t r = 0; r < R; ++r) {
+    double ss = 0.0, ee = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double xk = xa[r * K + k], d = xk - double(qx.q[r * K + k]) * qx.s[r * qx.nb + k / QB];
+      ss += xk * xk;
+      ee += d * d;
+    }
+    const double nrm = std::sqrt(ss), e = std::sqrt(ee);
+    nx[r] = static_cast<float>((1.05 * (e + sum_err * (nrm + e)) + 0x1p-40 * nrm) * (1.0 + 1e-6));
+  }
+  const float* sa = scale.data_ptr<float>();
+  std::vector<int64_t> all;
+  if (!ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), bound.data_ptr<float>(), all))
+    return argmax_rows(linear(x, head, c10::nullopt, V, scale, A_FP32).view({R, V}));
+  const int64_t C = static_cast<int64_t>(all.size()), CP = (C + NR - 1) / NR;
+  auto panels = torch::zeros({CP, K, NR}, torch::kChar);
+  auto sc = torch::zeros({CP * NR}, torch::kFloat);
+  int8_t* pa = panels.data_ptr<int8_t>();
+  const int8_t* wa = head.data_ptr<int8_t>();
+  for (int64_t j = 0; j < C; ++j) {  // column n of the head's panels: panel n / 16, lane n % 16
+    const int64_t n = all[j];
+    const int8_t* src = wa + (n / NR) * K * NR + n % NR;
+    int8_t* dst = pa + (j / NR) * K * NR + j % NR;
+    for (int64_t k = 0; k < K; ++k) dst[k * NR] = src[k * NR];
+    sc.data_ptr<float>()[j] = sa[n];
+  }
+  return picks_among(linear(x, panels, c10::nullopt, C, sc, A_FP32).view({R, C}), all);
 }
 
 // Where a decode step's time goes, phase by phase (set_phase_timing; off by default, when a phase
@@ -3261,7 +3339,8 @@ struct LayerStack {
   // [V, D]), at its position (pos, its RoPE rows of cos / sin [P, hd]), through the layers
   // step_layers[s] (run's loop: every row, slots (starts[l, row], pos + 1) of pools[l]), the final
   // RMSNorm (norm_w, eps), the LM head (linear's panels: head, head_bias, vocab, head_scale, a8) and
-  // each row's argmax (greedy_head's where head_approx, head_bound and head_rows are given: the
+  // each row's argmax (greedy_head's where head_approx, head_bound and head_rows are given for an
+  // fp32 head, greedy_head_int8's where head_approx and head_bound are given for an int8 one: the
   // same picks), which the next step feeds at pos + 1. The same calls as a Python step, so the
   // same tokens; what it saves is the Python between them, which after each step's weight stream
   // runs on cold caches. Returns the tokens [steps run, R]; it stops after a step in which a row
@@ -3279,9 +3358,12 @@ struct LayerStack {
           positions.scalar_type() == torch::kLong, "greedy takes tokens and positions as [R] int64");
     const int64_t R = tokens.size(0);
     check(R >= 1, "greedy needs at least one row");
-    check(head_approx.has_value() == head_bound.has_value() && head_approx.has_value() == head_rows.has_value() &&
+    const bool head8 = head.scalar_type() == torch::kChar;  // an int8 head's picks: greedy_head_int8
+    check(head_approx.has_value() == head_bound.has_value() &&
+          (!head_approx.has_value() || head_rows.has_value() == !head8) &&
           (!head_approx.has_value() || (!head_bias.has_value() && a8 == A_FP32)),
-          "head_approx, head_bound and head_rows come together, for an fp32 head without bias");
+          "head_approx and head_bound come together (with head_rows for an fp32 head), for a head without bias "
+          "on fp32 activations");
     check(static_cast<int64_t>(kpools.size()) == L && static_cast<int64_t>(vpools.size()) == L,
           "greedy takes every layer's key and value pool");
     check(starts.scalar_type() == torch::kLong && starts.dim() == 2 && starts.size(0) == L && starts.size(1) == R,
@@ -3325,9 +3407,10 @@ struct LayerStack {
       const auto h = run(x, ids, std::vector<int64_t>(ids.size(), R), kp, vp, rw, c, sn);
       PhaseClock head_clock;
       const auto hn = rms_norm(h, norm_w, eps);
-      const auto pick = head_approx.has_value()
-                            ? greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows)
-                            : argmax_rows(linear(hn, head, head_bias, vocab, head_scale, a8).view({R, vocab}));
+      const auto pick = !head_approx.has_value()
+                            ? argmax_rows(linear(hn, head, head_bias, vocab, head_scale, a8).view({R, vocab}))
+                        : head8 ? greedy_head_int8(hn, head, *head_scale, vocab, *head_approx, *head_bound)
+                                : greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows);
       head_clock.mark(PH_HEAD);
       bool stop = false;
       for (int64_t r = 0; r < R; ++r) {
@@ -3541,6 +3624,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
         py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
+  m.def("greedy_head_int8", &greedy_head_int8, "argmax of an int8 LM head's logits per row (fp32 activations), from "
+        "an int8-activation pass and the few exact logits its bound leaves in doubt", py::arg("h"), py::arg("head"),
+        py::arg("scale"), py::arg("vocab"), py::arg("approx"), py::arg("bound"));
   m.def("greedy_head", &greedy_head, "argmax of an fp32 LM head's logits per row, from a bf16 pass and the few "
         "exact logits it leaves in doubt", py::arg("h"), py::arg("head"), py::arg("vocab"), py::arg("approx"),
         py::arg("bound"), py::arg("rows"));
