@@ -4,15 +4,16 @@ A greedy step needs each row's argmax, not its logits. ``Transformer.greedy_step
 an approximate pass and the exact logits of the few token ids the pass's error bound leaves in
 doubt; ``greedy_approx = False`` reads every logit from the full head. An fp32 head's pass is its
 bf16 copy (half the head's bytes, ``kernels.greedy_head``, ``model.head_bound``); an int8 head's
-(the int8 and int4 dtypes) is the same int8 weights packed for int8 activations
-(``kernels.greedy_head_int8``, ``model.int8_head_bound``), run at the row counts where
+(the int8 and int4 dtypes, and the two-limb heads of w8a16 and w4a16) is the same int8 weights
+packed for int8 activations (``kernels.greedy_head_int8``, ``model.int8_head_bound``), run at the row
+counts where
 ``dispatch.int8_greedy_head_plan`` measured it no slower. The two must give the same tokens (the
 run stops if they do not). This times both on ``default-e2e`` (64 greedy tokens, the bench's E2E
 prompts, best of interleaved rounds with the order alternating) at each row count and speedup, and
 counts how many token ids each step's pass left in doubt (from the Python form of the same pick:
 for the bf16 copy on x as it is, where the tiles take x's top bf16 half, so the count is close,
 not exact). Run from the repository root:
-    .venv/bin/python benchmarks/greedy_head_ab.py [OUT.json] [--dtype float32|int8|int4] [--rows 1,8,32]
+    .venv/bin/python benchmarks/greedy_head_ab.py [OUT.json] [--dtype float32|int8|int4|w8a16|w4a16] [--rows 1,8,32]
         [--speedups 1,3]
 """
 
@@ -43,7 +44,7 @@ def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
         h = net.final_hidden(x).reshape(-1, head.in_features)
         if int8:  # the int8-activation pass and its rows' own factors
             a = k.linear(h, head.approx, None, head.out_features, head.panel_scales, 1).double()
-            b = int8_head_row_factor(h)[:, None] * head.approx_bound.double()
+            b = int8_head_row_factor(h, two_limbs=head.a8 == 2)[:, None] * head.approx_bound.double()
         else:
             a = k.linear(h, head.approx, None, head.out_features, None, 0).double()
             b = h.double().norm(dim=1, keepdim=True) * head.approx_bound.double()

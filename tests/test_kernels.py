@@ -431,40 +431,47 @@ def _int8_head_with_near_ties(V: int, K: int, seed: int) -> tuple[torch.Tensor, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("a8", [0, 2])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 31, 32, 40])
-def test_greedy_head_int8_picks_the_full_int8_heads_argmax_in_every_form_and_row_count(k, isa, a8_form, rows):
+def test_greedy_head_int8_picks_the_full_int8_heads_argmax_in_every_form_and_row_count(k, isa, a8_form, rows, a8):
     """kernels.greedy_head_int8 (an int8-activation pass over the head packed as w8a8's, then the
     exact logits of the ids its bound leaves in doubt) picks what argmax_rows picks from the full
-    int8 head's logits (fp32 activations), ties and near-ties included, with every form of the
-    integer pass and of the fp32-activation panels, at every row count."""
+    int8 head's logits, on fp32 activations (a8 0: the int8 and int4 dtypes' head) or two int8
+    limbs (a8 2: w8a16 and w4a16's, whose panels are the pass's own), ties and near-ties
+    included, with every form of the integer pass and of the fp32-activation panels, at every row
+    count."""
     from skipdecode.model import int8_head_bound
 
     V, K = 1000, 96
     q, sc = _int8_head_with_near_ties(V, K, rows)
-    P, S, A, c = kernels.pack_weight(q), kernels.pack_scales(sc), kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
+    S, A, c = kernels.pack_scales(sc), kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
+    P = A if a8 else kernels.pack_weight(q)
     x1 = torch.randn(rows, K, generator=_gen(rows + 7)) * 3
     x1[0, :32] *= 1e-3  # blocks of very different scale
     x2 = torch.full((rows, K), 0.25)  # rows 3, 7, 11, 12 and V - 1 nearly or exactly tied at the top
     x2[:, 5] = 1.0
     for x in (x1, x2):
-        full = k.argmax_rows(k.linear(x, P, None, V, S, 0))
-        assert torch.equal(k.greedy_head_int8(x, P, S, V, A, c), full)
+        full = k.argmax_rows(k.linear(x, P, None, V, S, a8))
+        assert torch.equal(k.greedy_head_int8(x, P, S, V, A, c, a8), full)
     q2 = q.clone()
     q2[3] = q2[3].abs().clamp(max=126) + 1
     for i in (7, 12, V - 1):
         q2[i] = q2[3]
     q2[11] = q2[3][torch.randperm(K, generator=_gen(3))]
     q2[12, 5] = q2[3, 5] - 1
-    P2, A2, c2 = kernels.pack_weight(q2), kernels.pack_int8_vnni(q2), int8_head_bound(q2, sc)
-    full = k.argmax_rows(k.linear(x2, P2, None, V, S, 0))
-    assert torch.equal(k.greedy_head_int8(x2, P2, S, V, A2, c2), full)
+    A2, c2 = kernels.pack_int8_vnni(q2), int8_head_bound(q2, sc)
+    P2 = A2 if a8 else kernels.pack_weight(q2)
+    full = k.argmax_rows(k.linear(x2, P2, None, V, S, a8))
+    assert torch.equal(k.greedy_head_int8(x2, P2, S, V, A2, c2, a8), full)
     assert int(full[0]) in (3, 11)  # the near-tied top: row 3 (its copies 7 and V - 1 after it) or its permutation
 
 
 @needs_kernels
+@pytest.mark.parametrize("a8", [0, 2])
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_the_int8_pass_stays_within_the_bound_greedy_head_int8_counts(k, a8_form, rows):
-    """The int8-activation pass differs from the full int8 head by at most nx_r c_n: c_n =
+def test_the_int8_pass_stays_within_the_bound_greedy_head_int8_counts(k, a8_form, rows, a8):
+    """The int8-activation pass differs from the full int8 head (on fp32 activations, or two int8
+    limbs) by at most nx_r c_n: c_n =
     int8_head_bound's ||w_n||_2 and nx_r the row's factor as greedy_head_int8 computes it
     (int8_head_row_factor: its activations' own quantization error, 5% over, plus both sides' fp32
     summation), with x random, with blocks of very different scale, and with huge and tiny values. And the bound is
@@ -478,12 +485,20 @@ def test_the_int8_pass_stays_within_the_bound_greedy_head_int8_counts(k, a8_form
     x = torch.randn(rows, K, generator=_gen(rows + 1))
     x[0, 64:96] *= 1e4
     x[-1, :32] *= 1e-6
-    z = k.linear(x, kernels.pack_weight(q), None, V, S, 0).double()
+    z = k.linear(x, kernels.pack_int8_vnni(q) if a8 else kernels.pack_weight(q), None, V, S, a8).double()
     a = k.linear(x, kernels.pack_int8_vnni(q), None, V, S, 1).double()
-    nx = int8_head_row_factor(x)[:, None]
+    nx = int8_head_row_factor(x, two_limbs=a8 == 2)[:, None]
     assert ((a - z).abs() <= nx * c).all()
     doubt = ((a + nx * c) >= (a - nx * c).max(dim=1, keepdim=True).values).sum(dim=1)
     assert doubt.float().mean() <= V / 100 and doubt.max() <= V // 50, doubt
+
+
+def test_int8_panel_weights_reads_back_the_weights_of_either_packing():
+    from skipdecode.model import int8_panel_weights
+
+    q = torch.randint(-127, 128, (37, 64), generator=_gen(5), dtype=torch.int8)
+    assert torch.equal(int8_panel_weights(kernels.pack_weight(q), 37), q)
+    assert torch.equal(int8_panel_weights(kernels.pack_int8_vnni(q), 37, vnni=True), q)
 
 
 @needs_kernels
@@ -510,12 +525,12 @@ def test_greedy_head_int8_takes_the_full_head_where_the_bound_does_not_hold(k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "w4a16"])
 def test_native_greedy_steps_pick_the_same_tokens_from_the_int8_heads_integer_pass(dtype, monkeypatch):
-    """The int8 and int4 dtypes keep the embedded model's head in int8; from 8 rows (the untimed
-    plan) greedy steps pick from its int8-activation pass and the exact logits of the ids it leaves
-    in doubt: the tokens of the full head, at full depth and at 3x. At one row they take the full
-    head."""
+    """The int8 and int4 dtypes keep the embedded model's head in int8 (w4a16: int8 on two-limb
+    activations); from 8 rows (the untimed plan) greedy steps pick from its int8-activation pass and
+    the exact logits of the ids it leaves in doubt: the tokens of the full head, at full depth and
+    at 3x. At one row they take the full head."""
     from skipdecode import LLM
     from skipdecode.bench.decode import PROMPTS
     from skipdecode.generate import generate_tokens
@@ -524,6 +539,7 @@ def test_native_greedy_steps_pick_the_same_tokens_from_the_int8_heads_integer_pa
     llm = LLM.load("default-e2e", dtype=dtype)
     net, head = llm.model, llm.model.lm_head
     assert head.approx is not None and head.approx.dtype == torch.int8 and head.packed.dtype == torch.int8
+    assert (head.approx is head.packed) == (dtype == "w4a16")  # a two-limb head is the pass's own panels
     assert head.greedy_plan[dispatch.bucket(8)] and not head.greedy_plan[dispatch.bucket(1)]
     assert net.native_greedy(8) and net.greedy_approx
     ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(8)]

@@ -386,38 +386,42 @@ def greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: S
     return tuple(p or g <= o for p, g, o in zip(on_panels, sec["greedy"], sec["onednn"]))
 
 
-def time_greedy_head_int8(out_features: int, in_features: int, kernel_module, reps: int = 5) -> dict[str, list[float]]:
+def time_greedy_head_int8(out_features: int, in_features: int, kernel_module, reps: int = 5,
+                          a8: int = 0) -> dict[str, list[float]]:
     """Seconds per greedy pick of an int8 LM head of this shape at every bucket's row count, each
     form with its argmax: ``greedy`` (``kernels.greedy_head_int8``: the int8-activation pass and
-    the exact logits it leaves in doubt) and ``panels`` (the full product on the head's panels).
-    Timed cold, as ``time_greedy_head`` times an fp32 head."""
+    the exact logits it leaves in doubt) and ``panels`` (the full product on the head's panels, on
+    fp32 activations or, ``a8`` 2, two int8 limbs). Timed cold, as ``time_greedy_head`` times an
+    fp32 head."""
     from . import kernels
     from .model import int8_head_bound, quantize_int8
 
     q, sc = quantize_int8(torch.randn(out_features, in_features) * 0.02)
-    packed, scales = kernels.pack_weight(q), kernels.pack_scales(sc)
-    approx, bound = kernels.pack_int8_vnni(q), int8_head_bound(q, sc.float())
+    approx, scales, bound = kernels.pack_int8_vnni(q), kernels.pack_scales(sc), int8_head_bound(q, sc.float())
+    packed = approx if a8 else kernels.pack_weight(q)
     cold_read = _cold_read(q.numel())
     res: dict[str, list[float]] = {"greedy": [], "panels": []}
     for m in BUCKETS:
         x = torch.randn(m, in_features)
         n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))
         t_greedy, t_panels = _median_times(
-            [lambda x=x: kernel_module.greedy_head_int8(x, packed, scales, out_features, approx, bound),
-             lambda x=x: kernel_module.argmax_rows(kernel_module.linear(x, packed, None, out_features, scales, 0))],
+            [lambda x=x: kernel_module.greedy_head_int8(x, packed, scales, out_features, approx, bound, a8),
+             lambda x=x: kernel_module.argmax_rows(kernel_module.linear(x, packed, None, out_features, scales, a8))],
             n, cold_read)
         res["greedy"].append(t_greedy)
         res["panels"].append(t_panels)
     return res
 
 
-def int8_greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str]) -> tuple[bool, ...]:
+def int8_greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str],
+                          a8: int = 0) -> tuple[bool, ...]:
     """Per bucket, whether greedy decode steps take an int8 head's picks from
-    ``kernels.greedy_head_int8`` (an int8-activation pass over a second copy of the head, then the
+    ``kernels.greedy_head_int8`` (an int8-activation pass over the head packed for it, then the
     exact logits it leaves in doubt): at the buckets where the head runs on its panels and the pass
-    took no longer than the full product there. Measured once per machine, then cached. Untimed
-    (``SKIPDECODE_AUTOTUNE=0``): from 8 rows, where the product is bound by its FMAs and the pass
-    took under half its time on an AMD EPYC."""
+    took no longer than the full product there (on fp32 activations, or ``a8`` 2, two int8 limbs).
+    Measured once per machine, then cached. Untimed (``SKIPDECODE_AUTOTUNE=0``): from 8 rows, where
+    the fp32-activation product is bound by its FMAs and the pass took under half its time on an
+    AMD EPYC."""
     on_panels = tuple(f == "hand" for f in plan)
     if kernel_module is None or not hasattr(kernel_module, "greedy_head_int8") or not any(on_panels):
         return tuple(False for _ in BUCKETS)
@@ -429,10 +433,11 @@ def int8_greedy_head_plan(out_features: int, in_features: int, kernel_module, pl
             and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in ("greedy", "panels"))
 
     def measure() -> dict:
-        t = time_greedy_head_int8(out_features, in_features, kernel_module)
+        t = time_greedy_head_int8(out_features, in_features, kernel_module, a8=a8)
         return {"buckets": list(BUCKETS), "seconds": {f: [round(v, 7) for v in ts] for f, ts in t.items()}}
 
-    sec = _measured_once(kernel_module, f"int8 greedy head {out_features}x{in_features}", ok, measure)["seconds"]
+    key = f"int8 greedy head {out_features}x{in_features}" + (" two limbs" if a8 else "")
+    sec = _measured_once(kernel_module, key, ok, measure)["seconds"]
     return tuple(p and g <= f for p, g, f in zip(on_panels, sec["greedy"], sec["panels"]))
 
 

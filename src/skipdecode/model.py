@@ -201,18 +201,31 @@ def int8_head_bound(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def int8_head_row_factor(x: torch.Tensor) -> torch.Tensor:
+def int8_panel_weights(packed: torch.Tensor, n: int, vnni: bool = False) -> torch.Tensor:
+    """The ``[n, K]`` int8 weights of int8 panels (``kernels.pack_weight``'s layout, or with ``vnni``
+    ``kernels.pack_int8_vnni``'s)."""
+    NP, K, P = packed.shape
+    if vnni:  # [NP, K/4, 16, 4] bytes offset by 128 -> [NP, 16, K]
+        u = packed.view(torch.uint8).reshape(NP, K // 4, P, 4).permute(0, 2, 1, 3).reshape(NP * P, K)
+        return (u.to(torch.int16) - 128).to(torch.int8)[:n].contiguous()
+    return packed.transpose(1, 2).reshape(NP * P, K)[:n].contiguous()
+
+
+def int8_head_row_factor(x: torch.Tensor, two_limbs: bool = False) -> torch.Tensor:
     """Per row of ``x [R, K]`` (K a multiple of 32), in float64, the factor ``nx_r`` that
     ``kernels.greedy_head_int8`` multiplies ``int8_head_bound`` by: the row's own error from
     quantizing it as the int8-activation pass does (blocks of 32, scale max|x| / 127, round half to
-    even), 5% over, plus both sides' fp32 summation. For tests and benchmarks that check the
-    bound or count the ids it leaves in doubt."""
+    even), plus, for a head on ``two_limbs``, its error as that head quantizes it (top 127 * 128),
+    5% over, plus both sides' fp32 summation. For tests and benchmarks that check the bound or
+    count the ids it leaves in doubt."""
     R, K = x.shape
     xb = x.reshape(R, K // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, 0.0)  # fp32, as the kernels compute it
-    xt = torch.round(xb * inv).clamp(-127, 127).double() * (amax / 127).double()
-    e = (xb.double() - xt).reshape(R, K).norm(dim=1)
+    e = torch.zeros(R, dtype=torch.float64)
+    for top in (127.0, 127.0 * 128) if two_limbs else (127.0,):
+        inv = torch.where(amax > 0, top / amax, 0.0)  # fp32, as the kernels compute it
+        xt = torch.round(xb * inv).clamp(-top, top).double() * (amax / top).double()
+        e += (xb.double() - xt).reshape(R, K).norm(dim=1)
     nrm = x.double().norm(dim=1)
     return 1.05 * (e + 4 * (K + 4) * 2.0 ** -24 * (nrm + e)) + 2.0 ** -40 * nrm
 
@@ -573,7 +586,8 @@ class Transformer(nn.Module):
         # logits cost a 135M model 13 BLEU on E2E (benchmarks/results/dtype-parity.md's history)
         head = {"int4": "int8", "w4a8": "w8a8", "w4a16": "w8a16"}.get(weights, weights)
         greedy = head == "float32" and self.lm_head.bias is None and k is not None
-        greedy8 = head == "int8" and self.lm_head.bias is None and k is not None and hasattr(k, "greedy_head_int8") \
+        greedy8 = head in ("int8", "w8a16") and self.lm_head.bias is None and k is not None \
+            and hasattr(k, "greedy_head_int8") \
             and self.lm_head.in_features % kernels.INT4_GROUP == 0  # int8 activations: blocks of 32
         self.lm_head = PackedLinear(self.lm_head, k, head, keep_panels=greedy or greedy8)
         if greedy:
@@ -587,14 +601,16 @@ class Transformer(nn.Module):
             if not any(h.greedy_plan):  # neither the panels nor the bf16 pass ever run: drop them
                 h.packed = h.approx = h.approx_bound = None
         if greedy8 and self.lm_head.packed is not None and self.lm_head.packed.dtype == torch.int8:
-            # an int8 head keeps a copy packed for int8 activations where greedy steps pick faster from
-            # its integer pass (kernels.greedy_head_int8; many rows), measured per bucket
+            # greedy steps pick from an int8-activation pass over an int8 head where measured faster
+            # (kernels.greedy_head_int8; many rows): fp32-activation heads keep a copy packed for it,
+            # two-limb heads (w8a16, w4a16) are packed so already
             h = self.lm_head
-            h.greedy_plan = dispatch.int8_greedy_head_plan(h.out_features, h.in_features, k, h.plan)
+            h.greedy_plan = dispatch.int8_greedy_head_plan(h.out_features, h.in_features, k, h.plan, h.a8)
             if any(h.greedy_plan):
-                q = h.packed.transpose(1, 2).reshape(-1, h.in_features)[:h.out_features]
+                q = int8_panel_weights(h.packed, h.out_features, vnni=h.a8 != 0)
                 sc = h.panel_scales[:h.out_features]
-                h.approx, h.approx_bound = kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
+                h.approx = h.packed if h.a8 else kernels.pack_int8_vnni(q)
+                h.approx_bound = int8_head_bound(q, sc)
             elif "hand" not in h.plan:  # kept for the pass alone, which never runs: drop them
                 h.packed = h.panel_scales = None
         if self.draft_head is not None:
@@ -663,10 +679,15 @@ class Transformer(nn.Module):
         arena on 2 MB pages (``kernels.huge_page_arena``): the same bytes, fewer TLB misses."""
         linears = [getattr(b, n) for b in self.layers for n in BLOCK_LINEARS]
         linears += [m for m in (self.lm_head, self.draft_head) if m is not None]
+        shared = {id(m) for m in linears if isinstance(m, PackedLinear) and m.approx is not None
+                  and m.approx is m.packed}  # a two-limb int8 head is its own pass's panels: one copy
         slots = [(m, a) for m in linears if isinstance(m, PackedLinear) for a in ("packed", "panel_scales", "approx")
-                 if getattr(m, a) is not None]
+                 if getattr(m, a) is not None and not (a == "approx" and id(m) in shared)]
         for (m, a), t in zip(slots, kernels.huge_page_arena([getattr(m, a) for m, a in slots])):
             setattr(m, a, t)
+        for m in linears:
+            if id(m) in shared:
+                m.approx = m.packed
 
     def build_layer_stack(self) -> None:
         """Gather the fused layers' fixed arguments into one ``kernels.LayerStack`` (from the

@@ -3050,66 +3050,84 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
   return picks_among(linear(x, panels, c10::nullopt, C, c10::nullopt, A_FP32).view({R, C}), all);
 }
 
-// ---- Greedy picks from an int8 LM head (int8 weights with fp32 activations: the int8 and int4
-// dtypes' head). At 32 rows its full product is a fifth of a step (benchmarks/results/epyc/
-// step-phases-b32-f16.json), bound by one widening and one FMA per 16 multiply-adds. The pass here
-// runs the same int8 weights, packed for int8 activations (pack_int8_vnni: as w8a8's panels), on
-// the integer dot products with x quantized as w8a8 quantizes it: x~ (blocks of 32, scale
-// max|x| / 127). With w_n = s_n q_n the exact weight row, the pass's error against the exact
-// logit is at most |(x - x~) . w_n| (at most ||x - x~||_2 ||w_n||_2, Cauchy-Schwarz) plus each
-// side's fp32 rounding: the pass sums exact int32 block sums over K / 32 blocks, the full head K
-// products, each within (K + 4) 2^-24 ||x||_2 ||w_n||_2 (x~ within ||x|| + ||x - x~|| of 0),
-// counted twice over as head_bound counts it; 5% over the whole, plus 2^-40 ||x|| for products a
-// tile unit flushes to zero. So B_n = nx_r c_n with c_n = ||w_n||_2 (int8_head_bound, rounded up)
-// and nx_r from this row's own ||x - x~||_2, measured from the quantization the pass runs. On
-// default-e2e's prompts that leaves about 12 ids a row in doubt on average; the full head's
-// picks come from their exact logits (the head's own int8 columns, through the same linear).
+// ---- Greedy picks from an int8 LM head: int8 weights with fp32 activations (the int8 and int4
+// dtypes' head) or with activations in two int8 limbs (w8a16 and w4a16's). At 32 rows the int8
+// head's full product was a fifth of a step (benchmarks/results/epyc/step-phases-b32-f16.json),
+// bound by one widening and one FMA per 16 multiply-adds; the two-limb head takes two integer dot
+// products per 4 k. The pass here runs the same int8 weights packed for int8 activations
+// (pack_int8_vnni: w8a8's panels, which a two-limb head already is) with x quantized as w8a8
+// quantizes it: x~ (blocks of 32, scale max|x| / 127). With w_n = s_n q_n the exact weight row, the
+// exact head's logit is w_n . x (fp32 activations) or w_n . x^ (two limbs: x^ as that form
+// quantizes x), so the pass is off by at most |(x~ - x^) . w_n| <= (||x - x~||_2 + ||x - x^||_2)
+// ||w_n||_2 (Cauchy-Schwarz; x^ = x for fp32 activations) plus each side's fp32 rounding: the pass
+// and the two-limb form sum exact int32 block sums over K / 32 blocks, the fp32 form K products,
+// each within (K + 4) 2^-24 ||w_n||_2 times the norm of the x it takes (at most ||x|| + its
+// quantization error), counted twice over as head_bound counts it; 5% over the whole, plus 2^-40
+// ||x|| for products a tile unit flushes to zero. So B_n = nx_r c_n with c_n = ||w_n||_2
+// (int8_head_bound, rounded up) and nx_r from this row's own quantization errors, measured from
+// the quantizations the two forms run. On default-e2e's prompts the fp32-activation head leaves
+// about 12 ids a row in doubt on average; their exact logits come from the head's own int8
+// columns, through the same linear at the same row count.
 torch::Tensor greedy_head_int8(const torch::Tensor& h, const torch::Tensor& head, const torch::Tensor& scale,
-                               int64_t vocab, const torch::Tensor& approx, const torch::Tensor& bound) {
+                               int64_t vocab, const torch::Tensor& approx, const torch::Tensor& bound, int64_t a8) {
   check(h.scalar_type() == torch::kFloat, "float32 only");
   const int64_t K = h.size(-1), V = vocab;
+  check(a8 == A_FP32 || a8 == A_TWO_LIMBS, "greedy_head_int8 takes a head on fp32 activations (a8 0) or two "
+        "int8 limbs (a8 2)");
   check(head.scalar_type() == torch::kChar && approx.scalar_type() == torch::kChar,
         "greedy_head_int8 takes int8 head panels and their int8-activation copy (kernels.pack_int8_vnni)");
   check_packed(head, K, V, c10::nullopt, scale);
   check_packed(approx, K, V, c10::nullopt, scale);
   check_a8(approx, K, A_INT8);
+  check_a8(head, K, a8);
   check(bound.scalar_type() == torch::kFloat && bound.dim() == 1 && bound.size(0) == V && bound.is_contiguous(),
         "bound must be [vocab] float32");
   const auto x = h.reshape({-1, K}).contiguous();
   const int64_t R = x.size(0);
   const float* xa = x.data_ptr<float>();
   const auto a = linear(x, approx, c10::nullopt, V, scale, A_INT8);
-  QuantX qx;  // x~ as the pass quantized it
-  quantize_rows(xa, R, K, qx, false);
+  QuantX q8, q16;  // x~ as the pass quantized it, x^ as the two-limb head does
+  quantize_rows(xa, R, K, q8, false);
+  if (a8 == A_TWO_LIMBS) quantize_rows(xa, R, K, q16, true);
   std::vector<float> nx(R);
   const double sum_err = 4.0 * double(K + 4) * 0x1p-24;
   for (int64_t r = 0; r < R; ++r) {
-    double ss = 0.0, ee = 0.0;
+    double ss = 0.0, e8 = 0.0, e16 = 0.0;
     for (int64_t k = 0; k < K; ++k) {
-      const double xk = xa[r * K + k], d = xk - double(qx.q[r * K + k]) * qx.s[r * qx.nb + k / QB];
+      const int64_t i = r * K + k, blk = r * q8.nb + k / QB;
+      const double xk = xa[i], d8 = xk - double(q8.q[i]) * q8.s[blk];
       ss += xk * xk;
-      ee += d * d;
+      e8 += d8 * d8;
+      if (a8 == A_TWO_LIMBS) {
+        const double d16 = xk - (128.0 * q16.q[i] + q16.ql[i]) * q16.s[blk];
+        e16 += d16 * d16;
+      }
     }
-    const double nrm = std::sqrt(ss), e = std::sqrt(ee);
+    const double nrm = std::sqrt(ss), e = std::sqrt(e8) + std::sqrt(e16);
     nx[r] = static_cast<float>((1.05 * (e + sum_err * (nrm + e)) + 0x1p-40 * nrm) * (1.0 + 1e-6));
   }
   const float* sa = scale.data_ptr<float>();
   std::vector<int64_t> all;
   if (!ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), bound.data_ptr<float>(), all))
-    return argmax_rows(linear(x, head, c10::nullopt, V, scale, A_FP32).view({R, V}));
+    return argmax_rows(linear(x, head, c10::nullopt, V, scale, a8).view({R, V}));
   const int64_t C = static_cast<int64_t>(all.size()), CP = (C + NR - 1) / NR;
   auto panels = torch::zeros({CP, K, NR}, torch::kChar);
+  if (a8 == A_TWO_LIMBS) panels.fill_(static_cast<int8_t>(-128));  // the byte of a zero weight, offset by 128
   auto sc = torch::zeros({CP * NR}, torch::kFloat);
   int8_t* pa = panels.data_ptr<int8_t>();
   const int8_t* wa = head.data_ptr<int8_t>();
   for (int64_t j = 0; j < C; ++j) {  // column n of the head's panels: panel n / 16, lane n % 16
     const int64_t n = all[j];
-    const int8_t* src = wa + (n / NR) * K * NR + n % NR;
-    int8_t* dst = pa + (j / NR) * K * NR + j % NR;
-    for (int64_t k = 0; k < K; ++k) dst[k * NR] = src[k * NR];
+    const int8_t* src = wa + (n / NR) * K * NR;
+    int8_t* dst = pa + (j / NR) * K * NR;
+    if (a8 == A_TWO_LIMBS) {  // per 4 k: 16 columns x 4 bytes
+      for (int64_t k = 0; k < K; k += 4) std::memcpy(dst + k * NR + 4 * (j % NR), src + k * NR + 4 * (n % NR), 4);
+    } else {
+      for (int64_t k = 0; k < K; ++k) dst[k * NR + j % NR] = src[k * NR + n % NR];
+    }
     sc.data_ptr<float>()[j] = sa[n];
   }
-  return picks_among(linear(x, panels, c10::nullopt, C, sc, A_FP32).view({R, C}), all);
+  return picks_among(linear(x, panels, c10::nullopt, C, sc, a8).view({R, C}), all);
 }
 
 // Where a decode step's time goes, phase by phase (set_phase_timing; off by default, when a phase
@@ -3361,9 +3379,9 @@ struct LayerStack {
     const bool head8 = head.scalar_type() == torch::kChar;  // an int8 head's picks: greedy_head_int8
     check(head_approx.has_value() == head_bound.has_value() &&
           (!head_approx.has_value() || head_rows.has_value() == !head8) &&
-          (!head_approx.has_value() || (!head_bias.has_value() && a8 == A_FP32)),
+          (!head_approx.has_value() || (!head_bias.has_value() && (a8 == A_FP32 || (head8 && a8 == A_TWO_LIMBS)))),
           "head_approx and head_bound come together (with head_rows for an fp32 head), for a head without bias "
-          "on fp32 activations");
+          "on fp32 activations (or two int8 limbs, an int8 head)");
     check(static_cast<int64_t>(kpools.size()) == L && static_cast<int64_t>(vpools.size()) == L,
           "greedy takes every layer's key and value pool");
     check(starts.scalar_type() == torch::kLong && starts.dim() == 2 && starts.size(0) == L && starts.size(1) == R,
@@ -3409,7 +3427,7 @@ struct LayerStack {
       const auto hn = rms_norm(h, norm_w, eps);
       const auto pick = !head_approx.has_value()
                             ? argmax_rows(linear(hn, head, head_bias, vocab, head_scale, a8).view({R, vocab}))
-                        : head8 ? greedy_head_int8(hn, head, *head_scale, vocab, *head_approx, *head_bound)
+                        : head8 ? greedy_head_int8(hn, head, *head_scale, vocab, *head_approx, *head_bound, a8)
                                 : greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows);
       head_clock.mark(PH_HEAD);
       bool stop = false;
@@ -3625,8 +3643,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
   m.def("greedy_head_int8", &greedy_head_int8, "argmax of an int8 LM head's logits per row (fp32 activations), from "
-        "an int8-activation pass and the few exact logits its bound leaves in doubt", py::arg("h"), py::arg("head"),
-        py::arg("scale"), py::arg("vocab"), py::arg("approx"), py::arg("bound"));
+        "an int8-activation pass and the few exact logits its bound leaves in doubt; a8: the head's own activations "
+        "(0 fp32, 2 two int8 limbs)", py::arg("h"), py::arg("head"), py::arg("scale"), py::arg("vocab"),
+        py::arg("approx"), py::arg("bound"), py::arg("a8") = 0);
   m.def("greedy_head", &greedy_head, "argmax of an fp32 LM head's logits per row, from a bf16 pass and the few "
         "exact logits it leaves in doubt", py::arg("h"), py::arg("head"), py::arg("vocab"), py::arg("approx"),
         py::arg("bound"), py::arg("rows"));
