@@ -103,7 +103,9 @@ def main() -> None:
               "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()}, "model": "default-e2e",
               "dtype": dtype, "new_tokens": NEW_TOKENS,
               "head_bytes": {str(head.packed.dtype).removeprefix("torch."): head.packed.nbytes,
-                             f"{str(head.approx.dtype).removeprefix('torch.')}_copy": head.approx.nbytes},
+                             **({"pass": "the head's own panels (two int8 limbs: packed for the pass already)"}
+                                if head.approx is head.packed else
+                                {f"{str(head.approx.dtype).removeprefix('torch.')}_copy": head.approx.nbytes})},
               "pass_in_plan_note": "pass_in_plan: whether greedy steps of that many rows take the pass (the head's "
                                    "greedy_plan); where not, both settings run the full head",
               "timing": f"decode seconds over the {NEW_TOKENS - 1} steps after the first token, best of {ROUNDS} "
