@@ -5,9 +5,9 @@ an approximate pass and the exact logits of the few token ids the pass's error b
 doubt; ``greedy_approx = False`` reads every logit from the full head. An fp32 head's pass is its
 bf16 copy (half the head's bytes, ``kernels.greedy_head``, ``model.head_bound``); an int8 head's
 (the int8 and int4 dtypes, and the two-limb heads of w8a16 and w4a16) is the same int8 weights
-packed for int8 activations (``kernels.greedy_head_int8``, ``model.int8_head_bound``), run at the row
-counts where
-``dispatch.int8_greedy_head_plan`` measured it no slower. The two must give the same tokens (the
+packed for int8 activations (``kernels.greedy_head_int8``, ``model.int8_head_bound``), run at the
+row counts where ``dispatch.int8_greedy_head_plan`` measured it no slower (``pass_in_plan``; where
+not, both settings run the full head: a control for the host's spread). The two must give the same tokens (the
 run stops if they do not). This times both on ``default-e2e`` (64 greedy tokens, the bench's E2E
 prompts, best of interleaved rounds with the order alternating) at each row count and speedup, and
 counts how many token ids each step's pass left in doubt (from the Python form of the same pick:

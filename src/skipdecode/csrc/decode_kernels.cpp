@@ -3065,9 +3065,9 @@ torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int
 // quantization error), counted twice over as head_bound counts it; 5% over the whole, plus 2^-40
 // ||x|| for products a tile unit flushes to zero. So B_n = nx_r c_n with c_n = ||w_n||_2
 // (int8_head_bound, rounded up) and nx_r from this row's own quantization errors, measured from
-// the quantizations the two forms run. On default-e2e's prompts the fp32-activation head leaves
-// about 12 ids a row in doubt on average; their exact logits come from the head's own int8
-// columns, through the same linear at the same row count.
+// the quantizations the two forms run. On default-e2e's E2E prompts that leaves 12-13 ids a step
+// in doubt over all rows on average (benchmarks/results/epyc/greedy-head-int8-ab.json); their exact
+// logits come from the head's own int8 columns, through the same linear at the same row count.
 torch::Tensor greedy_head_int8(const torch::Tensor& h, const torch::Tensor& head, const torch::Tensor& scale,
                                int64_t vocab, const torch::Tensor& approx, const torch::Tensor& bound, int64_t a8) {
   check(h.scalar_type() == torch::kFloat, "float32 only");
@@ -3642,7 +3642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
         py::arg("iters"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of a [rows, vocab] tensor");
-  m.def("greedy_head_int8", &greedy_head_int8, "argmax of an int8 LM head's logits per row (fp32 activations), from "
+  m.def("greedy_head_int8", &greedy_head_int8, "argmax of an int8 LM head's logits per row, from "
         "an int8-activation pass and the few exact logits its bound leaves in doubt; a8: the head's own activations "
         "(0 fp32, 2 two int8 limbs)", py::arg("h"), py::arg("head"), py::arg("scale"), py::arg("vocab"),
         py::arg("approx"), py::arg("bound"), py::arg("a8") = 0);
