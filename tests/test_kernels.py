@@ -524,6 +524,23 @@ def test_greedy_head_int8_takes_the_full_head_where_the_bound_does_not_hold(k):
                            kernels.pack_int8_vnni(q[:, :48]), c)
 
 
+def _same_tokens_with_and_without_the_heads_pass(llm, rows: int) -> None:
+    """Greedy tokens of ``rows`` E2E prompts picked from the LM head's approximate pass and from the
+    full head (``greedy_approx``), at full depth and at 3x: the same."""
+    from skipdecode.bench.decode import PROMPTS
+    from skipdecode.generate import generate_tokens
+
+    net = llm.model
+    ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(rows)]
+    for speedup in (1.0, 3.0):
+        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=24)
+        out = {}
+        for on in (True, False):
+            net.greedy_approx = on
+            out[on] = [r.token_ids for r in generate_tokens(net, ids, sched, 24, eos_token_ids=())[0]]
+        assert out[True] == out[False]
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["int8", "int4", "w4a16"])
 def test_native_greedy_steps_pick_the_same_tokens_from_the_int8_heads_integer_pass(dtype, monkeypatch):
@@ -532,8 +549,6 @@ def test_native_greedy_steps_pick_the_same_tokens_from_the_int8_heads_integer_pa
     the exact logits of the ids it leaves in doubt: the tokens of the full head, at full depth and
     at 3x. At one row they take the full head."""
     from skipdecode import LLM
-    from skipdecode.bench.decode import PROMPTS
-    from skipdecode.generate import generate_tokens
 
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
     llm = LLM.load("default-e2e", dtype=dtype)
@@ -542,14 +557,7 @@ def test_native_greedy_steps_pick_the_same_tokens_from_the_int8_heads_integer_pa
     assert (head.approx is head.packed) == (dtype == "w4a16")  # a two-limb head is the pass's own panels
     assert head.greedy_plan[dispatch.bucket(8)] and not head.greedy_plan[dispatch.bucket(1)]
     assert net.native_greedy(8) and net.greedy_approx
-    ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(8)]
-    for speedup in (1.0, 3.0):
-        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=24)
-        out = {}
-        for on in (True, False):
-            net.greedy_approx = on
-            out[on] = [r.token_ids for r in generate_tokens(net, ids, sched, 24, eos_token_ids=())[0]]
-        assert out[True] == out[False]
+    _same_tokens_with_and_without_the_heads_pass(llm, 8)
 
 
 @needs_kernels
@@ -1406,21 +1414,12 @@ def test_native_greedy_steps_pick_the_same_tokens_from_the_fp32_heads_bf16_pass(
     full depth and at 3x. The untimed plans (the kernels' panels up to 8 rows) put the head on the
     panels whatever the autotuner would pick on this CPU."""
     from skipdecode import LLM
-    from skipdecode.bench.decode import PROMPTS
-    from skipdecode.generate import generate_tokens
 
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
     llm = LLM.load("default-e2e", dtype="float32")
     net = llm.model
     assert net.lm_head.approx is not None and net.native_greedy(rows) and net.greedy_approx
-    ids = [llm.encode(PROMPTS[i % len(PROMPTS)]) for i in range(rows)]
-    for speedup in (1.0, 3.0):
-        sched = llm.make_schedule(speedup=speedup, expected_new_tokens=24)
-        out = {}
-        for on in (True, False):
-            net.greedy_approx = on
-            out[on] = [r.token_ids for r in generate_tokens(net, ids, sched, 24, eos_token_ids=())[0]]
-        assert out[True] == out[False]
+    _same_tokens_with_and_without_the_heads_pass(llm, rows)
 
 
 @needs_kernels
