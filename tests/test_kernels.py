@@ -394,6 +394,16 @@ def test_head_bound_holds_for_inputs_along_the_rounding_itself(k, head_pass, row
     assert gap > 0.5 * (w[5].double() - A[5].double()).norm()  # along row 5's rounding its share is nearly reached
 
 
+def _rows_out_of_the_bounds_range(K: int, huge: float) -> torch.Tensor:
+    """Four rows of K: a plain one, one with a NaN, an all-zero one and one scaled by ``huge``
+    (its logits past 1e30): a greedy pass's bound holds for the first alone."""
+    x = torch.randn(4, K, generator=_gen(10))
+    x[1, 3] = float("nan")
+    x[2] = 0.0
+    x[3] *= huge
+    return x
+
+
 @needs_kernels
 def test_greedy_head_takes_the_full_head_where_the_bound_does_not_hold(k):
     """Rows with a NaN, an all-zero row and logits past 1e30 take the full head: the same picks as
@@ -403,10 +413,7 @@ def test_greedy_head_takes_the_full_head_where_the_bound_does_not_hold(k):
     V, K = 100, 32
     w = torch.randn(V, K, generator=_gen(9))
     P, A, c = kernels.pack_weight(w), kernels.pack_weight(w.bfloat16()), head_bound(w, w.bfloat16())
-    x = torch.randn(4, K, generator=_gen(10))
-    x[1, 3] = float("nan")
-    x[2] = 0.0
-    x[3] *= 1e30
+    x = _rows_out_of_the_bounds_range(K, 1e30)
     assert torch.equal(k.greedy_head(x, P, V, A, c, w), k.argmax_rows(k.linear(x, P, None, V, None, 0)))
     with pytest.raises(RuntimeError, match="bound must be"):
         k.greedy_head(x, P, V, A, c[:-1], w)
@@ -510,10 +517,7 @@ def test_greedy_head_int8_takes_the_full_head_where_the_bound_does_not_hold(k):
     V, K = 100, 64
     q, sc = quantize_int8(torch.randn(V, K, generator=_gen(9)))
     P, S, A, c = kernels.pack_weight(q), kernels.pack_scales(sc), kernels.pack_int8_vnni(q), int8_head_bound(q, sc)
-    x = torch.randn(4, K, generator=_gen(10))
-    x[1, 3] = float("nan")
-    x[2] = 0.0
-    x[3] *= 1e32
+    x = _rows_out_of_the_bounds_range(K, 1e32)
     assert torch.equal(k.greedy_head_int8(x, P, S, V, A, c), k.argmax_rows(k.linear(x, P, None, V, S, 0)))
     with pytest.raises(RuntimeError, match="bound must be"):
         k.greedy_head_int8(x, P, S, V, A, c[:-1])

@@ -348,18 +348,36 @@ def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: i
     packed, hi = kernels.pack_weight(w), w.bfloat16()
     approx, bound = kernels.pack_weight(hi), head_bound(w, hi)
     library = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32)
-    cold_read = _cold_read(w.numel() * 4)
-    res: dict[str, list[float]] = {"greedy": [], "onednn": []}
+    return _head_picks_per_bucket(out_features, in_features, reps, _cold_read(w.numel() * 4), {
+        "greedy": lambda x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
+        "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)})
+
+
+def _head_picks_per_bucket(out_features: int, in_features: int, reps: int, cold_read,
+                           forms: dict[str, Callable[[torch.Tensor], object]]) -> dict[str, list[float]]:
+    """Median seconds per call of each form (an LM head's picks from x) at every bucket's row count,
+    the forms' calls interleaved, ``cold_read`` before each (``_median_times``)."""
+    res: dict[str, list[float]] = {f: [] for f in forms}
     for m in BUCKETS:
         x = torch.randn(m, in_features)
         n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))
-        t_greedy, t_lib = _median_times(
-            [lambda x=x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
-             lambda x=x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)],
-            n, cold_read)
-        res["greedy"].append(t_greedy)
-        res["onednn"].append(t_lib)
+        for f, t in zip(forms, _median_times([lambda fn=fn: fn(x) for fn in forms.values()], n, cold_read)):
+            res[f].append(t)
     return res
+
+
+def _head_seconds_once(kernel_module, key: str, forms: Sequence[str],
+                       timer: Callable[[], dict[str, list[float]]]) -> dict[str, list[float]]:
+    """``timer()``'s seconds per form and bucket for a greedy head plan, measured once per machine
+    and cached under ``key`` (``_measured_once``)."""
+    def ok(entry) -> bool:
+        return isinstance(entry, dict) and entry.get("buckets") == list(BUCKETS) \
+            and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in forms)
+
+    def measure() -> dict:
+        return {"buckets": list(BUCKETS), "seconds": {f: [round(v, 7) for v in ts] for f, ts in timer().items()}}
+
+    return _measured_once(kernel_module, key, ok, measure)["seconds"]
 
 
 def greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str]) -> tuple[bool, ...]:
@@ -374,15 +392,8 @@ def greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: S
             or os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return on_panels
 
-    def ok(entry) -> bool:
-        return isinstance(entry, dict) and entry.get("buckets") == list(BUCKETS) \
-            and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in ("greedy", "onednn"))
-
-    def measure() -> dict:
-        t = time_greedy_head(out_features, in_features, kernel_module)
-        return {"buckets": list(BUCKETS), "seconds": {f: [round(v, 7) for v in ts] for f, ts in t.items()}}
-
-    sec = _measured_once(kernel_module, f"greedy head {out_features}x{in_features}", ok, measure)["seconds"]
+    sec = _head_seconds_once(kernel_module, f"greedy head {out_features}x{in_features}", ("greedy", "onednn"),
+                             lambda: time_greedy_head(out_features, in_features, kernel_module))
     return tuple(p or g <= o for p, g, o in zip(on_panels, sec["greedy"], sec["onednn"]))
 
 
@@ -399,18 +410,9 @@ def time_greedy_head_int8(out_features: int, in_features: int, kernel_module, re
     q, sc = quantize_int8(torch.randn(out_features, in_features) * 0.02)
     approx, scales, bound = kernels.pack_int8_vnni(q), kernels.pack_scales(sc), int8_head_bound(q, sc.float())
     packed = approx if a8 else kernels.pack_weight(q)
-    cold_read = _cold_read(q.numel())
-    res: dict[str, list[float]] = {"greedy": [], "panels": []}
-    for m in BUCKETS:
-        x = torch.randn(m, in_features)
-        n = max(2, min(reps, int(2e8 // max(1, m * in_features * out_features))))
-        t_greedy, t_panels = _median_times(
-            [lambda x=x: kernel_module.greedy_head_int8(x, packed, scales, out_features, approx, bound, a8),
-             lambda x=x: kernel_module.argmax_rows(kernel_module.linear(x, packed, None, out_features, scales, a8))],
-            n, cold_read)
-        res["greedy"].append(t_greedy)
-        res["panels"].append(t_panels)
-    return res
+    return _head_picks_per_bucket(out_features, in_features, reps, _cold_read(q.numel()), {
+        "greedy": lambda x: kernel_module.greedy_head_int8(x, packed, scales, out_features, approx, bound, a8),
+        "panels": lambda x: kernel_module.argmax_rows(kernel_module.linear(x, packed, None, out_features, scales, a8))})
 
 
 def int8_greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str],
@@ -428,16 +430,9 @@ def int8_greedy_head_plan(out_features: int, in_features: int, kernel_module, pl
     if os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return tuple(p and b >= 8 for p, b in zip(on_panels, BUCKETS))
 
-    def ok(entry) -> bool:
-        return isinstance(entry, dict) and entry.get("buckets") == list(BUCKETS) \
-            and all(len(entry.get("seconds", {}).get(f, ())) == len(BUCKETS) for f in ("greedy", "panels"))
-
-    def measure() -> dict:
-        t = time_greedy_head_int8(out_features, in_features, kernel_module, a8=a8)
-        return {"buckets": list(BUCKETS), "seconds": {f: [round(v, 7) for v in ts] for f, ts in t.items()}}
-
     key = f"int8 greedy head {out_features}x{in_features}" + (" two limbs" if a8 else "")
-    sec = _measured_once(kernel_module, key, ok, measure)["seconds"]
+    sec = _head_seconds_once(kernel_module, key, ("greedy", "panels"),
+                             lambda: time_greedy_head_int8(out_features, in_features, kernel_module, a8=a8))
     return tuple(p and g <= f for p, g, f in zip(on_panels, sec["greedy"], sec["panels"]))
 
 
