@@ -394,6 +394,75 @@ def test_head_bound_holds_for_inputs_along_the_rounding_itself(k, head_pass, row
     assert gap > 0.5 * (w[5].double() - A[5].double()).norm()  # along row 5's rounding its share is nearly reached
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 31, 32, 40])
+def test_greedy_head_on_an_int8_copy_picks_the_full_fp32_heads_argmax_in_every_form_and_row_count(
+        k, isa, a8_form, rows):
+    """kernels.greedy_head on an fp32 head's int8 copy (model.fp32_head_copy: the copy's
+    int8-activation pass, then the exact fp32 logits of the ids its two-term bound leaves in doubt)
+    picks what argmax_rows picks from the full fp32 head's logits, ties and near-ties included (rows
+    one ulp apart, which the copy rounds to the same int8 row), with every form of the integer pass
+    and at every row count."""
+    from skipdecode.model import fp32_head_copy
+
+    V, K = 1000, 96
+    w = _head_with_near_ties(V, K, rows)
+    P = kernels.pack_weight(w)
+    A, S, c = fp32_head_copy(w, "int8")
+    x1 = torch.randn(rows, K, generator=_gen(rows + 7)) * 3
+    x1[0, :32] *= 1e-3  # blocks of very different scale
+    for x in (x1, torch.full((rows, K), 0.25)):
+        full = k.argmax_rows(k.linear(x, P, None, V, None, 0))
+        assert torch.equal(k.greedy_head(x, P, V, A, c, w, S), full)
+    x = torch.full((rows, K), 0.25)  # rows 3, 7, 11, 12 and V - 1 nearly or exactly tied at the top
+    x[:, 5] = 1.0
+    w2 = w.clone()
+    w2[3] = w2[3].abs() + 1.0
+    for i in (7, 12, V - 1):
+        w2[i] = w2[3]
+    w2[11] = w2[3][torch.randperm(K, generator=_gen(3))]
+    w2[12, 5] = torch.nextafter(w2[3, 5], torch.tensor(2.0))
+    P2 = kernels.pack_weight(w2)
+    A2, S2, c2 = fp32_head_copy(w2, "int8")
+    full = k.argmax_rows(k.linear(x, P2, None, V, None, 0))
+    assert torch.equal(k.greedy_head(x, P2, V, A2, c2, w2, S2), full)
+    assert int(full[0]) in (3, 11, 12)  # the near-tied top: row 3 (its copies after it), 12 or the permutation
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_the_int8_copys_pass_stays_within_the_two_term_bound(k, a8_form, rows):
+    """An fp32 head's int8 copy's pass differs from the full fp32 head by at most nx_r c_n + mx_r d_n
+    (model.fp32_head_int8_bound's c_n = ||w~_n||_2 and d_n, the copy's rounding with the exact
+    side's summation; nx_r the row's activation factor, int8_head_row_factor; mx_r = 1.05 ||x_r||_2),
+    with x random, with blocks of very different scale and along one row's rounding error (where
+    the d_n term is nearly reached). And the bound is of use: random rows leave under 2% of the ids
+    in doubt on average."""
+    from skipdecode.model import fp32_head_copy, int8_head_row_factor
+
+    V, K = 600, 576
+    w = torch.randn(V, K, generator=_gen(rows)) * 0.05
+    A, S, bound = fp32_head_copy(w, "int8")
+    c, d = bound.double()
+    x = torch.randn(rows, K, generator=_gen(rows + 1))
+    x[-1, 64:96] *= 1e3
+    err = w[5] - (w[5] / (w[5].abs().max() / 127)).round() * (w[5].abs().max() / 127)
+    x[0] = err / err.norm() * 30  # along row 5's rounding (approximately: the copy's scale is bf16)
+    P = kernels.pack_weight(w)
+
+    def pass_and_bound(x):
+        b = int8_head_row_factor(x)[:, None] * c + 1.05 * x.double().norm(dim=1, keepdim=True) * d
+        return k.linear(x, A, None, V, S, 1).double(), b
+
+    a, b = pass_and_bound(x)
+    assert ((a - k.linear(x, P, None, V, None, 0).double()).abs() <= b).all()
+    gap = (a - k.linear(x, P, None, V, None, 0).double()).abs()[0, 5]
+    assert gap > 0.3 * 1.05 * x[0].double().norm() * (d[5] - c[5] * 4 * (K + 4) * 2.0 ** -24)  # its share is nearly reached
+    a, b = pass_and_bound(torch.randn(rows, K, generator=_gen(rows + 2)))
+    doubt = ((a + b) >= (a - b).max(dim=1, keepdim=True).values).sum(dim=1)
+    assert doubt.float().mean() <= V / 50, doubt
+
+
 def _rows_out_of_the_bounds_range(K: int, huge: float) -> torch.Tensor:
     """Four rows of K: a plain one, one with a NaN, an all-zero one and one scaled by ``huge``
     (its logits past 1e30): a greedy pass's bound holds for the first alone."""
@@ -406,9 +475,9 @@ def _rows_out_of_the_bounds_range(K: int, huge: float) -> torch.Tensor:
 
 @needs_kernels
 def test_greedy_head_takes_the_full_head_where_the_bound_does_not_hold(k):
-    """Rows with a NaN, an all-zero row and logits past 1e30 take the full head: the same picks as
-    argmax_rows there (the first NaN, the first of equal logits)."""
-    from skipdecode.model import head_bound
+    """Rows with a NaN, an all-zero row and logits past 1e30 take the full head, from either copy:
+    the same picks as argmax_rows there (the first NaN, the first of equal logits)."""
+    from skipdecode.model import fp32_head_copy, head_bound
 
     V, K = 100, 32
     w = torch.randn(V, K, generator=_gen(9))
@@ -419,6 +488,14 @@ def test_greedy_head_takes_the_full_head_where_the_bound_does_not_hold(k):
         k.greedy_head(x, P, V, A, c[:-1], w)
     with pytest.raises(RuntimeError, match="bfloat16 copy"):
         k.greedy_head(x, P, V, P, c, w)
+    A8, S8, c8 = fp32_head_copy(w, "int8")  # the int8 copy: the same fallback, its own argument checks
+    assert torch.equal(k.greedy_head(x, P, V, A8, c8, w, S8), k.argmax_rows(k.linear(x, P, None, V, None, 0)))
+    with pytest.raises(RuntimeError, match=r"bound must be \[2, vocab\]"):
+        k.greedy_head(x, P, V, A8, c8[0].contiguous(), w, S8)
+    with pytest.raises(RuntimeError, match="int8 copy"):
+        k.greedy_head(x, P, V, A8, c8, w)  # no scales
+    with pytest.raises(ValueError, match="'bfloat16' or 'int8'"):
+        fp32_head_copy(w, "int4")
 
 
 def _int8_head_with_near_ties(V: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1412,41 +1489,57 @@ def test_phase_timing_counts_every_layer_phase_and_head_of_a_native_step_and_not
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 8])
-def test_native_greedy_steps_pick_the_same_tokens_from_the_fp32_heads_bf16_pass(rows, monkeypatch):
-    """The embedded model's fp32 head keeps a bf16 copy (half its bytes) that greedy steps pick
-    from, with the exact logits of the ids it leaves in doubt: the tokens of the full head, at
+def test_native_greedy_steps_pick_the_same_tokens_from_either_copy_of_the_fp32_head(rows, monkeypatch):
+    """The embedded model's fp32 head keeps a copy that greedy steps pick from, with the exact
+    logits of the ids it leaves in doubt: untimed the int8 copy (a quarter of its bytes), else the
+    bf16 copy where the int8 one was measured slower. From either, the tokens of the full head, at
     full depth and at 3x. The untimed plans (the kernels' panels up to 8 rows) put the head on the
     panels whatever the autotuner would pick on this CPU."""
     from skipdecode import LLM
+    from skipdecode.model import fp32_head_copy
 
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
     llm = LLM.load("default-e2e", dtype="float32")
-    net = llm.model
-    assert net.lm_head.approx is not None and net.native_greedy(rows) and net.greedy_approx
+    net, head = llm.model, llm.model.lm_head
+    assert head.approx.dtype == torch.int8 and head.approx_scale is not None and head.approx_bound.shape[0] == 2
+    assert net.native_greedy(rows) and net.greedy_approx
+    _same_tokens_with_and_without_the_heads_pass(llm, rows)
+    head.approx, head.approx_scale, head.approx_bound = fp32_head_copy(net._head_rows, "bfloat16")
     _same_tokens_with_and_without_the_heads_pass(llm, rows)
 
 
 @needs_kernels
-def test_greedy_steps_pick_from_the_bf16_pass_where_it_was_measured_no_slower_than_onednn(
+def test_greedy_steps_pick_from_a_copys_pass_where_it_was_measured_no_slower_than_onednn(
         k, tiny_dirs, monkeypatch, tmp_path):
     """Where an fp32 head's plan has oneDNN (the full product), greedy steps still take the native
-    loop and the bf16 pass at the buckets where dispatch.greedy_head_plan timed that pass no slower
-    than oneDNN's product and argmax (an AVX2 CPU's 2 and 8 rows, say), and the tokens are those of
-    Python steps on oneDNN. Untimed, the plan alone decides, as before."""
+    loop and its copy's pass at the buckets where dispatch.greedy_head_plan timed that copy's pass
+    no slower than oneDNN's product and argmax (an AVX2 CPU's 2 and 8 rows, say), and the tokens
+    are those of Python steps on oneDNN. Untimed, the plan alone decides, as before. The copy is
+    int8 unless its picks summed over the buckets took longer than the bf16 copy's (or K is not
+    in blocks of 32)."""
     from skipdecode.checkpoint import load_model
     from skipdecode.generate import generate_tokens
     from skipdecode.schedule import SkipSchedule
 
     plan = ("hand", "onednn", "hand", "onednn", "onednn", "onednn", "onednn", "onednn")
     assert dispatch.greedy_head_plan(64, 32, k, plan) == tuple(p == "hand" for p in plan)  # untimed
+    assert dispatch.greedy_head_copy(64, 32, k) == "int8"  # untimed
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "1")
     monkeypatch.setenv("SKIPDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(dispatch, "time_greedy_head", lambda *a, **kw: {
-        "greedy": [1.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0, 5.0], "onednn": [3.0, 3.0, 3.0, 2.0, 4.0, 4.0, 6.0, 4.0]})
+    timings = {"greedy": [1.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0, 5.0], "greedy8": [0.5, 3.0, 1.0, 1.0, 1.0, 5.0, 9.0, 5.0],
+               "onednn": [3.0, 3.0, 3.0, 2.0, 4.0, 4.0, 6.0, 4.0]}
+    monkeypatch.setattr(dispatch, "time_greedy_head", lambda *a, **kw: dict(timings))
     monkeypatch.setattr(dispatch, "_TUNED", {})  # this process's memo of measured entries, restored after
     got = dispatch.greedy_head_plan(64, 32, k, plan)
     assert got == (True, True, True, True, False, False, True, False) and len(got) == len(dispatch.BUCKETS)
+    assert dispatch.greedy_head_plan(64, 32, k, plan, "int8") == (True, True, True, True, True, False, False, False)
     assert json.loads((tmp_path / "autotune.json").read_text())  # measured once, kept for the next process
+    assert dispatch.greedy_head_copy(64, 32, k) == "bfloat16"  # the int8 copy's picks took longer in all (25.5 > 25)
+    assert dispatch.greedy_head_copy(64, 48, k) == "bfloat16"  # int8 activations take K in blocks of 32
+    timings["greedy8"] = [0.5, 1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 5.0]
+    monkeypatch.setattr(dispatch, "_TUNED", {})
+    (tmp_path / "autotune.json").unlink()
+    assert dispatch.greedy_head_copy(64, 32, k) == "int8"
     monkeypatch.setenv("SKIPDECODE_AUTOTUNE", "0")
 
     net = load_model(tiny_dirs["llama"])[0].pack_for_inference()

@@ -62,8 +62,8 @@ def test_step_bytes_count_each_linear_and_the_head_in_its_stored_dtype_and_step_
     per_layer = h * (h + 2 * kv) + h * h + 2 * f * h + f * h  # wqkv, wo, w13, w2
     params = L * per_layer + V * h
     head = llm32.model.lm_head
-    if head.approx is not None:  # a greedy step reads the fp32 head's bf16 copy (kernels.greedy_head)
-        assert step_bytes(llm32) == 4 * (params - V * h) + 2 * V * h
+    if head.approx is not None:  # a greedy step reads the fp32 head's int8 copy and its scales (kernels.greedy_head)
+        assert step_bytes(llm32) == 4 * (params - V * h) + V * h + 4 * V
         llm32.model.greedy_approx = False
     assert step_bytes(llm32) == 4 * params
     outs = L * ((h + 2 * kv) + h + 2 * f + h) + V  # one bf16 scale per output channel

@@ -338,19 +338,23 @@ def plan_for(out_features: int, in_features: int, kernel_module, weights: str = 
 
 def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: int = 5) -> dict[str, list[float]]:
     """Seconds per greedy pick of an fp32 LM head of this shape at every bucket's row count, each
-    form with its argmax: ``greedy`` (``kernels.greedy_head``: the bf16 copy's pass and the exact
-    logits it leaves in doubt) and ``onednn`` (the full fp32 product). Timed cold, as ``time_forms``
-    times a head: where the head fits the last-level cache, each call follows a read of 1.5x it."""
+    form with its argmax: ``greedy`` and ``greedy8`` (``kernels.greedy_head`` on the bf16 copy, on
+    the int8 copy where ``in_features`` is a multiple of 32: the copy's pass and the exact logits it
+    leaves in doubt) and ``onednn`` (the full fp32 product). Timed cold, as ``time_forms`` times a
+    head: where the head fits the last-level cache, each call follows a read of 1.5x it."""
     from . import kernels
-    from .model import head_bound
+    from .model import fp32_head_copy
 
     w = torch.randn(out_features, in_features) * 0.02
-    packed, hi = kernels.pack_weight(w), w.bfloat16()
-    approx, bound = kernels.pack_weight(hi), head_bound(w, hi)
+    packed = kernels.pack_weight(w)
+    approx, _, bound = fp32_head_copy(w, "bfloat16")
     library = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32)
-    return _head_picks_per_bucket(out_features, in_features, reps, _cold_read(w.numel() * 4), {
-        "greedy": lambda x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
-        "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)})
+    forms = {"greedy": lambda x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
+             "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)}
+    if in_features % 32 == 0:  # (int8 activations: blocks of 32)
+        approx8, scale8, bound8 = fp32_head_copy(w, "int8")
+        forms["greedy8"] = lambda x: kernel_module.greedy_head(x, packed, out_features, approx8, bound8, w, scale8)
+    return _head_picks_per_bucket(out_features, in_features, reps, _cold_read(w.numel() * 4), forms)
 
 
 def _head_picks_per_bucket(out_features: int, in_features: int, reps: int, cold_read,
@@ -380,21 +384,47 @@ def _head_seconds_once(kernel_module, key: str, forms: Sequence[str],
     return _measured_once(kernel_module, key, ok, measure)["seconds"]
 
 
-def greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str]) -> tuple[bool, ...]:
+GREEDY_HEAD_FORMS = ("greedy", "greedy8", "onednn")
+
+
+def _greedy_head_seconds(out_features: int, in_features: int, kernel_module) -> dict[str, list[float]]:
+    forms = GREEDY_HEAD_FORMS if in_features % 32 == 0 else ("greedy", "onednn")  # time_greedy_head's
+    return _head_seconds_once(kernel_module, f"greedy head {out_features}x{in_features}", forms,
+                              lambda: time_greedy_head(out_features, in_features, kernel_module))
+
+
+def greedy_head_copy(out_features: int, in_features: int, kernel_module) -> str:
+    """Which copy of an fp32 LM head greedy steps pick from (``kernels.greedy_head``): ``"int8"``
+    (a quarter of the head's bytes, and more ids left in doubt) unless its picks, summed over the
+    buckets, took longer than the ``"bfloat16"`` copy's (half the bytes) on this machine. Measured
+    once per machine with ``greedy_head_plan``'s timings, then cached; ``SKIPDECODE_AUTOTUNE=0`` (or
+    kernels without ``greedy_head``): int8. bf16 where ``in_features`` is not a multiple of 32 (int8
+    activations are quantized in blocks of 32)."""
+    if in_features % 32:
+        return "bfloat16"
+    if kernel_module is None or not hasattr(kernel_module, "greedy_head") \
+            or os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
+        return "int8"
+    sec = _greedy_head_seconds(out_features, in_features, kernel_module)
+    return "int8" if sum(sec["greedy8"]) <= sum(sec["greedy"]) else "bfloat16"
+
+
+def greedy_head_plan(out_features: int, in_features: int, kernel_module, plan: Sequence[str],
+                     copy: str = "bfloat16") -> tuple[bool, ...]:
     """Per bucket, whether greedy decode steps take an fp32 head's picks from ``kernels.greedy_head``
-    (in the native loop, ``Transformer.native_greedy``) where the head's ``plan`` puts its full
-    product on oneDNN: where the bf16 pass and its few exact logits took no longer than oneDNN's
-    product and argmax on this machine. Where ``plan`` has the panels, greedy steps take the bf16
-    pass anyway (it reads half the bytes the panels do). Measured once per machine, then cached;
-    ``SKIPDECODE_AUTOTUNE=0``, or kernels without ``greedy_head``, keep to ``plan``."""
+    on its ``copy`` (``greedy_head_copy``; in the native loop, ``Transformer.native_greedy``) where
+    the head's ``plan`` puts its full product on oneDNN: where that pass and its few exact logits
+    took no longer than oneDNN's product and argmax on this machine. Where ``plan`` has the panels,
+    greedy steps take the pass anyway (it reads a half or a quarter of the bytes the panels do).
+    Measured once per machine, then cached; ``SKIPDECODE_AUTOTUNE=0``, or kernels without
+    ``greedy_head``, keep to ``plan``."""
     on_panels = tuple(f == "hand" for f in plan)
     if all(on_panels) or kernel_module is None or not hasattr(kernel_module, "greedy_head") \
             or os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":
         return on_panels
-
-    sec = _head_seconds_once(kernel_module, f"greedy head {out_features}x{in_features}", ("greedy", "onednn"),
-                             lambda: time_greedy_head(out_features, in_features, kernel_module))
-    return tuple(p or g <= o for p, g, o in zip(on_panels, sec["greedy"], sec["onednn"]))
+    sec = _greedy_head_seconds(out_features, in_features, kernel_module)
+    form = "greedy8" if copy == "int8" else "greedy"
+    return tuple(p or g <= o for p, g, o in zip(on_panels, sec[form], sec["onednn"]))
 
 
 def time_greedy_head_int8(out_features: int, in_features: int, kernel_module, reps: int = 5,

@@ -141,9 +141,10 @@ class PackedLinear(nn.Module):
                 self.dense = (q.float() * sc.float()[:, None]).bfloat16()  # the same rounding, dequantized
         self.bias = None if linear.bias is None else linear.bias.detach().float()  # the kernels add fp32 bias
         self.bias_bf16 = None if self.bias is None else self.bias.bfloat16()  # torch's bf16 / int8 GEMMs
-        # an fp32 LM head's bf16 copy and head_bound, for greedy picks (Transformer.greedy_steps)
-        self.approx = self.approx_bound = None
-        # per bucket, whether greedy steps pick from the bf16 pass (dispatch.greedy_head_plan)
+        # an fp32 LM head's bf16 or int8 copy (with its scales) and its bound, or an int8 head's
+        # int8-activation copy, for greedy picks (Transformer.greedy_steps)
+        self.approx = self.approx_scale = self.approx_bound = None
+        # per bucket, whether greedy steps pick from the copy's pass (dispatch.greedy_head_plan)
         self.greedy_plan: tuple[bool, ...] = tuple(False for _ in dispatch.BUCKETS)
 
     def uses_hand(self, rows: int) -> bool:
@@ -199,6 +200,39 @@ def int8_head_bound(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         n = (q[i:i + 4096].double() * scales[i:i + 4096].double()[:, None]).norm(dim=1)
         out[i:i + 4096] = torch.nextafter((n * (1 + 2.0 ** -20)).float(), torch.tensor(float("inf")))
     return out
+
+
+def fp32_head_int8_bound(w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """For an fp32 head ``w [N, K]`` and its int8 copy (``q``, ``scales``: ``w~_n = s_n q_n``),
+    ``[2, N]``: ``c_n = ||w~_n||_2`` (``int8_head_bound``) and ``d_n``, the copy's rounding
+    ``||w_n - w~_n||_2`` plus the exact side's fp32 summation over K products (at most
+    ``(K + 4) 2^-24 ||x||_2 ||w_n||_2``, counted four times over), rounded up:
+    ``kernels.greedy_head`` bounds the copy's pass by ``nx_r c_n + mx_r d_n``."""
+    out = torch.empty(2, w.shape[0])
+    out[0] = int8_head_bound(q, scales)
+    K = w.shape[1]
+    for i in range(0, w.shape[0], 4096):
+        wd = w[i:i + 4096].double()
+        wq = q[i:i + 4096].double() * scales[i:i + 4096].double()[:, None]
+        d = (wd - wq).norm(dim=1) + 4 * (K + 4) * 2.0 ** -24 * wd.norm(dim=1)
+        out[1, i:i + 4096] = torch.nextafter((d * (1 + 2.0 ** -20)).float(), torch.tensor(float("inf")))
+    return out
+
+
+def fp32_head_copy(w: torch.Tensor, form: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """An fp32 LM head's copy for ``kernels.greedy_head``'s greedy picks, as ``(approx, approx_scale,
+    bound)``: ``"bfloat16"`` (``w`` rounded to bf16, no scales, ``head_bound``) or ``"int8"``
+    (``quantize_int8``'s rows packed for int8 activations, their scales, ``fp32_head_int8_bound``)."""
+    from . import kernels
+
+    w = w.float().contiguous()
+    if form == "bfloat16":
+        hi = w.bfloat16()
+        return kernels.pack_weight(hi), None, head_bound(w, hi)
+    if form == "int8":
+        q, sc = quantize_int8(w)
+        return kernels.pack_int8_vnni(q), kernels.pack_scales(sc), fp32_head_int8_bound(w, q, sc.float())
+    raise ValueError(f"an fp32 head's copy is 'bfloat16' or 'int8', not {form!r}")
 
 
 def int8_panel_weights(packed: torch.Tensor, n: int, vnni: bool = False) -> torch.Tensor:
@@ -593,13 +627,13 @@ class Transformer(nn.Module):
         if greedy:
             w = self._head_rows.float().contiguous()  # the dense head (tied: the embedding), kept for drafts
             self._head_rows = w
-            hi = w.bfloat16()
             h = self.lm_head
-            h.approx, h.approx_bound = kernels.pack_weight(hi), head_bound(w, hi)
-            # where the head's plan has oneDNN, greedy steps may still pick faster from the bf16 pass
-            h.greedy_plan = dispatch.greedy_head_plan(*w.shape, k, h.plan)
-            if not any(h.greedy_plan):  # neither the panels nor the bf16 pass ever run: drop them
-                h.packed = h.approx = h.approx_bound = None
+            copy = dispatch.greedy_head_copy(*w.shape, k)  # int8 where its picks were no slower than bf16's
+            h.approx, h.approx_scale, h.approx_bound = fp32_head_copy(w, copy)
+            # where the head's plan has oneDNN, greedy steps may still pick faster from the copy's pass
+            h.greedy_plan = dispatch.greedy_head_plan(*w.shape, k, h.plan, copy)
+            if not any(h.greedy_plan):  # neither the panels nor the copy's pass ever run: drop them
+                h.packed = h.approx = h.approx_scale = h.approx_bound = None
         if greedy8 and self.lm_head.packed is not None and self.lm_head.packed.dtype == torch.int8:
             # greedy steps pick from an int8-activation pass over an int8 head where measured faster
             # (kernels.greedy_head_int8; many rows): fp32-activation heads keep a copy packed for it,
@@ -877,7 +911,7 @@ class Transformer(nn.Module):
                 and (head.uses_hand(rows) or self._greedy_head_picks(rows)))
 
     def _greedy_head_picks(self, rows: int) -> bool:
-        """Whether greedy steps of ``rows`` rows take the head's picks from its bf16 pass
+        """Whether greedy steps of ``rows`` rows take the head's picks from its copy's pass
         (``kernels.greedy_head``) though its full product runs on oneDNN there: where
         ``dispatch.greedy_head_plan`` measured the pass no slower than oneDNN's product."""
         head = self.lm_head
@@ -897,15 +931,17 @@ class Transformer(nn.Module):
         self._rope_lookup(pos + len(step_layers), torch.float32)  # grows the tables to the last position
         cos, sin = self._rope_tables[torch.float32][2:]
         head = self.lm_head
-        # an fp32 head picks from its bf16 copy and the few exact logits that leaves in doubt (the same
-        # picks, half the head's bytes), an int8 head from its int8-activation pass where its greedy_plan
+        # an fp32 head picks from its int8 (or bf16) copy and the few exact logits that leaves in doubt (the
+        # same picks, a quarter (a half) of the head's bytes), an int8 head from its int8-activation pass where its greedy_plan
         # has it (the same picks, fewer instructions); kernels without those functions take the full head
         approx = {}
         if self.greedy_approx and head.approx is not None and head.greedy_plan[dispatch.bucket(len(tokens))]:
-            if head.approx.dtype == torch.int8 and hasattr(self._stack_kernels, "greedy_head_int8"):
+            if head.packed.dtype == torch.int8 and hasattr(self._stack_kernels, "greedy_head_int8"):
                 approx = {"head_approx": head.approx, "head_bound": head.approx_bound}
-            elif head.approx.dtype == torch.bfloat16 and hasattr(self._stack_kernels, "greedy_head"):
+            elif head.packed.dtype == torch.float32 and hasattr(self._stack_kernels, "greedy_head"):
                 approx = {"head_approx": head.approx, "head_bound": head.approx_bound, "head_rows": self._head_rows}
+                if head.approx_scale is not None:  # the int8 copy
+                    approx["head_approx_scale"] = head.approx_scale
         out = self._stack.greedy(torch.tensor(list(tokens), dtype=torch.long), pos, [list(l) for l in step_layers],
                                  [p[0] for p in pools], [p[1] for p in pools], starts, self.tok_emb.weight.detach(),
                                  cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1),

@@ -161,17 +161,21 @@ def step_bytes(llm: LLM) -> int:
     """Bytes of weights one batch-1 decode step of ``llm`` reads at full depth: every block linear and
     the LM head, in their stored dtype (int8: plus one bf16 scale per output channel; int4: half a
     byte per weight plus one bf16 scale per output channel and 32 inputs). A greedy step reads an
-    fp32 head's bf16 copy instead (``kernels.greedy_head``; the exact rows of the few ids it leaves
-    in doubt, a few KB, are left out)."""
+    fp32 head's int8 or bf16 copy instead (``kernels.greedy_head``; the exact rows of the few ids it
+    leaves in doubt, a few KB, are left out)."""
     return sum(linear_bytes(m, llm.model.greedy_approx) for m in step_linears(llm))
 
 
 def linear_bytes(m, greedy_approx: bool = False) -> int:
     """Bytes of weights a batch-1 step reads from one linear (``step_bytes``'s rule; with
-    ``greedy_approx``, an fp32 head with a bf16 copy reads the copy)."""
+    ``greedy_approx``, an fp32 head with an int8 or bf16 copy reads the copy)."""
     w, n, k = getattr(m, "weights", "float32"), m.out_features, m.in_features
-    if getattr(m, "approx", None) is not None and m.approx.dtype == torch.bfloat16 and greedy_approx:
-        w = "bfloat16"  # (an int8 head's copy for int8 activations is the same bytes as the head)
+    if getattr(m, "approx", None) is not None and greedy_approx and w == "float32":
+        if m.approx.dtype == torch.bfloat16:
+            w = "bfloat16"
+        else:  # the int8 copy and its fp32 row scales
+            return n * k + 4 * n
+    # (an int8 head's copy for int8 activations is the same bytes as the head)
     return {"float32": 4 * n * k, "bfloat16": 2 * n * k, "int8": n * k + 2 * n,
             "int4": n * k // 2 + 2 * n * (k // 32)}[w]
 

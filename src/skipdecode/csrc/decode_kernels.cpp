@@ -2954,33 +2954,71 @@ torch::Tensor greedy_head_pass(const torch::Tensor& x, const torch::Tensor& appr
   return a;
 }
 
+// Per row of x [R, K], the factor nx_r of the int8-activation pass's bound (greedy_head_int8 says
+// why): the row's own quantization error as the pass quantizes it (x~), plus, for a head on two
+// int8 limbs (a8 2), as that head does (x^), plus both sides' fp32 summation, 5% over; and, where
+// norms is given, ||x_r||_2 rounded up.
+void int8_pass_factors(const float* xa, int64_t R, int64_t K, int64_t a8, std::vector<float>& nx,
+                       std::vector<float>* norms = nullptr) {
+  QuantX q8, q16;
+  quantize_rows(xa, R, K, q8, false);
+  if (a8 == A_TWO_LIMBS) quantize_rows(xa, R, K, q16, true);
+  nx.assign(R, 0.f);
+  if (norms) norms->assign(R, 0.f);
+  const double sum_err = 4.0 * double(K + 4) * 0x1p-24;
+  for (int64_t r = 0; r < R; ++r) {
+    double ss = 0.0, e8 = 0.0, e16 = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = r * K + k, blk = r * q8.nb + k / QB;
+      const double xk = xa[i], d8 = xk - double(q8.q[i]) * q8.s[blk];
+      ss += xk * xk;
+      e8 += d8 * d8;
+      if (a8 == A_TWO_LIMBS) {
+        const double d16 = xk - (128.0 * q16.q[i] + q16.ql[i]) * q16.s[blk];
+        e16 += d16 * d16;
+      }
+    }
+    const double nrm = std::sqrt(ss), e = std::sqrt(e8) + std::sqrt(e16);
+    nx[r] = static_cast<float>((1.05 * (e + sum_err * (nrm + e)) + 0x1p-40 * nrm) * (1.0 + 1e-6));
+    if (norms) (*norms)[r] = static_cast<float>(nrm * (1.0 + 1e-6));
+  }
+}
+
 // The ids a greedy pick is in doubt between, over every row (sorted, each once): per row r the n with
-// a_n + nx_r c_n >= max_m (a_m - nx_r c_m), from approximate logits a [R, V] whose error is at most
-// nx_r c_n. False where a row is out of the bound's range (an approximate logit not finite or past
+// a_n + B_n >= max_m (a_m - B_m), from approximate logits a [R, V] whose error is at most
+// B_n = nx_r c_n (+ mx_r d_n where mxa and da are given: a bound of two terms). False where a row is out of the bound's range (an approximate logit not finite or past
 // 1e30, nx_r not finite or under 2^-60): the caller takes the full head.
-bool ids_in_doubt(const float* aa, int64_t R, int64_t V, const float* nxa, const float* ca, std::vector<int64_t>& all) {
+bool ids_in_doubt(const float* aa, int64_t R, int64_t V, const float* nxa, const float* ca, std::vector<int64_t>& all,
+                  const float* mxa = nullptr, const float* da = nullptr) {
   std::vector<std::vector<int64_t>> ids(R);
   std::vector<char> bad(R, 0);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float nx = nxa[r];
+      const float nx = nxa[r], mx = mxa ? mxa[r] : 0.f;
       const float* ar = aa + r * V;
-      const __m256 n8 = _mm256_set1_ps(nx), huge = _mm256_set1_ps(1e30f), sign = _mm256_set1_ps(-0.f);
+      // B_n: nx c_n, plus mx d_n for a two-term bound
+      const auto bound8 = [&](int64_t i) {
+        const __m256 b = _mm256_mul_ps(_mm256_set1_ps(nx), _mm256_loadu_ps(ca + i));
+        return da ? _mm256_fmadd_ps(_mm256_set1_ps(mx), _mm256_loadu_ps(da + i), b) : b;
+      };
+      const auto bound1 = [&](int64_t i) { return nx * ca[i] + (da ? mx * da[i] : 0.f); };
+      const __m256 huge = _mm256_set1_ps(1e30f), sign = _mm256_set1_ps(-0.f);
       __m256 lo = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), off = _mm256_setzero_ps();
       int64_t i = 0;
       for (; i + 8 <= V; i += 8) {  // the largest a_m - B_m; any a_m not finite (or past 1e30) marks the row
         const __m256 av = _mm256_loadu_ps(ar + i);
-        lo = _mm256_max_ps(lo, _mm256_sub_ps(av, _mm256_mul_ps(n8, _mm256_loadu_ps(ca + i))));
+        lo = _mm256_max_ps(lo, _mm256_sub_ps(av, bound8(i)));
         off = _mm256_or_ps(off, _mm256_cmp_ps(_mm256_andnot_ps(sign, av), huge, _CMP_NLT_UQ));
       }
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, lo);
       float t = -std::numeric_limits<float>::infinity();
       for (float l : lanes) t = std::max(t, l);
-      bool b = _mm256_movemask_ps(off) != 0 || !(nx >= 0x1p-60f) || !std::isfinite(nx);  // bound's range
+      bool b = _mm256_movemask_ps(off) != 0 || !(nx >= 0x1p-60f) || !std::isfinite(nx) ||
+               !(mx >= 0.f && std::isfinite(mx));  // the bound's range
       for (; i < V; ++i) {
         b = b || !(std::fabs(ar[i]) < 1e30f);
-        t = std::max(t, ar[i] - nx * ca[i]);
+        t = std::max(t, ar[i] - bound1(i));
       }
       if (b || !std::isfinite(t)) {
         bad[r] = 1;
@@ -2989,12 +3027,12 @@ bool ids_in_doubt(const float* aa, int64_t R, int64_t V, const float* nxa, const
       t -= 0x1p-20f * std::fabs(t);  // past the rounding of a_n +- B_n
       const __m256 t8 = _mm256_set1_ps(t);
       for (i = 0; i + 8 <= V; i += 8) {
-        const __m256 up = _mm256_add_ps(_mm256_loadu_ps(ar + i), _mm256_mul_ps(n8, _mm256_loadu_ps(ca + i)));
+        const __m256 up = _mm256_add_ps(_mm256_loadu_ps(ar + i), bound8(i));
         for (int bits = _mm256_movemask_ps(_mm256_cmp_ps(up, t8, _CMP_GE_OQ)); bits; bits &= bits - 1)
           ids[r].push_back(i + __builtin_ctz(bits));
       }
       for (; i < V; ++i)
-        if (ar[i] + nx * ca[i] >= t) ids[r].push_back(i);
+        if (ar[i] + bound1(i) >= t) ids[r].push_back(i);
     }
   });
   for (int64_t r = 0; r < R; ++r) all.insert(all.end(), ids[r].begin(), ids[r].end());
@@ -3013,31 +3051,59 @@ torch::Tensor picks_among(const torch::Tensor& z, const std::vector<int64_t>& al
   return out;
 }
 
+// greedy_head's int8 copy of an fp32 head (pack_int8_vnni, per-row scales s_n: w~_n = s_n q_n): its
+// int8-activation pass reads a quarter of the head's bytes, where the bf16 copy reads half. With x~
+// as the pass quantizes x, the pass is off from the head's fp32 logit by at most
+// |x~ . w~_n - x . w~_n| + |x . (w~_n - w_n)| <= ||x - x~||_2 ||w~_n||_2 + ||x||_2 ||w~_n - w_n||_2
+// (Cauchy-Schwarz) plus each side's fp32 summation: B_n = nx_r c_n + mx_r d_n, with c_n = ||w~_n||_2
+// and nx_r as greedy_head_int8 takes them, mx_r = ||x_r||_2 (5% over) and d_n the weight rounding's
+// share with the exact side's summation (fp32_head_int8_bound). The copy's rounding is larger than
+// bf16's, so the bound leaves more ids in doubt: on default-e2e's E2E prompts at one row 4.6 a step
+// on average at full depth and 22 at 3x (bf16: 1.7 and 4.1), over 8 rows 36 and 115; each is one
+// exact row of 2.3 KB, against the 28 MB the pass reads less. On an AMD EPYC (Zen 5) greedy steps
+// ran 1.035x faster than on the bf16 copy at one row, 1.108x at one row and 3x, 1.022-1.085x at 8
+// and 32 rows (benchmarks/results/epyc/greedy-head-fp32-int8-copy-ab.json).
 torch::Tensor greedy_head(const torch::Tensor& h, const torch::Tensor& head, int64_t vocab, const torch::Tensor& approx,
-                          const torch::Tensor& bound, const torch::Tensor& rows) {
+                          const torch::Tensor& bound, const torch::Tensor& rows,
+                          const c10::optional<torch::Tensor>& approx_scale) {
   check(h.scalar_type() == torch::kFloat, "float32 only");
   const int64_t K = h.size(-1), V = vocab;
-  check(head.scalar_type() == torch::kFloat && approx.scalar_type() == torch::kBFloat16,
-        "greedy_head takes float32 head panels and their bfloat16 copy");
+  // the copy: bf16 (bound [V]: c_n) or int8 with its row scales (bound [2, V]: c_n and d_n)
+  const bool copy8 = approx.scalar_type() == torch::kChar;
+  check(head.scalar_type() == torch::kFloat &&
+            (copy8 ? approx_scale.has_value() : approx.scalar_type() == torch::kBFloat16 && !approx_scale.has_value()),
+        "greedy_head takes float32 head panels and their bfloat16 copy, or their int8 copy "
+        "(kernels.pack_int8_vnni) with its scales");
   check_packed(head, K, V, c10::nullopt, c10::nullopt);
-  check_packed(approx, K, V, c10::nullopt, c10::nullopt);
-  check(bound.scalar_type() == torch::kFloat && bound.dim() == 1 && bound.size(0) == V && bound.is_contiguous(),
-        "bound must be [vocab] float32");
+  check_packed(approx, K, V, c10::nullopt, approx_scale);
+  if (copy8) check_a8(approx, K, A_INT8);
+  check(bound.scalar_type() == torch::kFloat && bound.is_contiguous() &&
+            (copy8 ? bound.dim() == 2 && bound.size(0) == 2 && bound.size(1) == V : bound.dim() == 1 && bound.size(0) == V),
+        copy8 ? "bound must be [2, vocab] float32 for an int8 copy" : "bound must be [vocab] float32");
   check(rows.scalar_type() == torch::kFloat && rows.dim() == 2 && rows.size(0) == V && rows.size(1) == K &&
         rows.is_contiguous(), "rows must be the head's dense [vocab, in_features] float32 weight");
   const auto x = h.reshape({-1, K}).contiguous();
   const int64_t R = x.size(0);
-  const auto a = greedy_head_pass(x, approx, V);  // x's top bf16 half alone in two forms (head_bound counts it)
-  std::vector<float> nx(R);  // B_n = ||x||_2 c_n
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x.data_ptr<float>() + r * K;
-    double ss = 0.0;
-    for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
-    nx[r] = static_cast<float>(std::sqrt(ss) * (1.0 + 1e-6));  // rounded up past fp32's rounding
-  }
+  const float* ca = bound.data_ptr<float>();
+  std::vector<float> nx(R), mx;
   std::vector<int64_t> all;
-  if (!ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), bound.data_ptr<float>(), all))
-    return argmax_rows(linear(x, head, c10::nullopt, V, c10::nullopt, A_FP32).view({R, V}));
+  bool ok;
+  if (copy8) {  // B_n = nx_r c_n + mx_r d_n (fp32_head_int8_bound)
+    const auto a = linear(x, approx, c10::nullopt, V, *approx_scale, A_INT8);
+    int8_pass_factors(x.data_ptr<float>(), R, K, A_FP32, nx, &mx);
+    for (float& m : mx) m *= 1.05f * (1.f + 0x1p-20f);
+    ok = ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), ca, all, mx.data(), ca + V);
+  } else {
+    const auto a = greedy_head_pass(x, approx, V);  // x's top bf16 half alone in two forms (head_bound counts it)
+    for (int64_t r = 0; r < R; ++r) {  // B_n = ||x||_2 c_n
+      const float* xr = x.data_ptr<float>() + r * K;
+      double ss = 0.0;
+      for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
+      nx[r] = static_cast<float>(std::sqrt(ss) * (1.0 + 1e-6));  // rounded up past fp32's rounding
+    }
+    ok = ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), ca, all);
+  }
+  if (!ok) return argmax_rows(linear(x, head, c10::nullopt, V, c10::nullopt, A_FP32).view({R, V}));
   const int64_t C = static_cast<int64_t>(all.size());
   auto panels = torch::zeros({(C + NR - 1) / NR, K, NR}, x.options());
   float* pa = panels.data_ptr<float>();
@@ -3086,26 +3152,8 @@ torch::Tensor greedy_head_int8(const torch::Tensor& h, const torch::Tensor& head
   const int64_t R = x.size(0);
   const float* xa = x.data_ptr<float>();
   const auto a = linear(x, approx, c10::nullopt, V, scale, A_INT8);
-  QuantX q8, q16;  // x~ as the pass quantized it, x^ as the two-limb head does
-  quantize_rows(xa, R, K, q8, false);
-  if (a8 == A_TWO_LIMBS) quantize_rows(xa, R, K, q16, true);
-  std::vector<float> nx(R);
-  const double sum_err = 4.0 * double(K + 4) * 0x1p-24;
-  for (int64_t r = 0; r < R; ++r) {
-    double ss = 0.0, e8 = 0.0, e16 = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t i = r * K + k, blk = r * q8.nb + k / QB;
-      const double xk = xa[i], d8 = xk - double(q8.q[i]) * q8.s[blk];
-      ss += xk * xk;
-      e8 += d8 * d8;
-      if (a8 == A_TWO_LIMBS) {
-        const double d16 = xk - (128.0 * q16.q[i] + q16.ql[i]) * q16.s[blk];
-        e16 += d16 * d16;
-      }
-    }
-    const double nrm = std::sqrt(ss), e = std::sqrt(e8) + std::sqrt(e16);
-    nx[r] = static_cast<float>((1.05 * (e + sum_err * (nrm + e)) + 0x1p-40 * nrm) * (1.0 + 1e-6));
-  }
+  std::vector<float> nx;
+  int8_pass_factors(xa, R, K, a8, nx);
   const float* sa = scale.data_ptr<float>();
   std::vector<int64_t> all;
   if (!ids_in_doubt(a.data_ptr<float>(), R, V, nx.data(), bound.data_ptr<float>(), all))
@@ -3370,7 +3418,8 @@ struct LayerStack {
                        const torch::Tensor& head, const c10::optional<torch::Tensor>& head_bias, int64_t vocab,
                        const c10::optional<torch::Tensor>& head_scale, int64_t a8, const std::vector<int64_t>& eos,
                        const c10::optional<torch::Tensor>& head_approx, const c10::optional<torch::Tensor>& head_bound,
-                       const c10::optional<torch::Tensor>& head_rows) {
+                       const c10::optional<torch::Tensor>& head_rows,
+                       const c10::optional<torch::Tensor>& head_approx_scale) {
     const int64_t L = static_cast<int64_t>(layers.size()), S = static_cast<int64_t>(step_layers.size());
     check(tokens.scalar_type() == torch::kLong && tokens.dim() == 1 && positions.sizes() == tokens.sizes() &&
           positions.scalar_type() == torch::kLong, "greedy takes tokens and positions as [R] int64");
@@ -3382,6 +3431,8 @@ struct LayerStack {
           (!head_approx.has_value() || (!head_bias.has_value() && (a8 == A_FP32 || (head8 && a8 == A_TWO_LIMBS)))),
           "head_approx and head_bound come together (with head_rows for an fp32 head), for a head without bias "
           "on fp32 activations (or two int8 limbs, an int8 head)");
+    check(!head_approx_scale.has_value() || (head_approx.has_value() && !head8),
+          "head_approx_scale is an fp32 head's int8 copy's scales");
     check(static_cast<int64_t>(kpools.size()) == L && static_cast<int64_t>(vpools.size()) == L,
           "greedy takes every layer's key and value pool");
     check(starts.scalar_type() == torch::kLong && starts.dim() == 2 && starts.size(0) == L && starts.size(1) == R,
@@ -3428,7 +3479,7 @@ struct LayerStack {
       const auto pick = !head_approx.has_value()
                             ? argmax_rows(linear(hn, head, head_bias, vocab, head_scale, a8).view({R, vocab}))
                         : head8 ? greedy_head_int8(hn, head, *head_scale, vocab, *head_approx, *head_bound, a8)
-                                : greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows);
+                                : greedy_head(hn, head, vocab, *head_approx, *head_bound, *head_rows, head_approx_scale);
       head_clock.mark(PH_HEAD);
       bool stop = false;
       for (int64_t r = 0; r < R; ++r) {
@@ -3646,9 +3697,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an int8-activation pass and the few exact logits its bound leaves in doubt; a8: the head's own activations "
         "(0 fp32, 2 two int8 limbs)", py::arg("h"), py::arg("head"), py::arg("scale"), py::arg("vocab"),
         py::arg("approx"), py::arg("bound"), py::arg("a8") = 0);
-  m.def("greedy_head", &greedy_head, "argmax of an fp32 LM head's logits per row, from a bf16 pass and the few "
-        "exact logits it leaves in doubt", py::arg("h"), py::arg("head"), py::arg("vocab"), py::arg("approx"),
-        py::arg("bound"), py::arg("rows"));
+  m.def("greedy_head", &greedy_head, "argmax of an fp32 LM head's logits per row, from a pass over its bf16 or int8 "
+        "copy and the few exact logits it leaves in doubt", py::arg("h"), py::arg("head"), py::arg("vocab"),
+        py::arg("approx"), py::arg("bound"), py::arg("rows"), py::arg("approx_scale") = py::none());
   m.def("decode_block", &decode_block, "one pre-norm Llama-family layer, one decode position per row, on a KV pool",
         py::arg("x"), py::arg("attn_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("bqkv"),
         py::arg("wo"), py::arg("bo"), py::arg("w13"), py::arg("b13"), py::arg("w2"), py::arg("b2"), py::arg("kpool"),
@@ -3673,6 +3724,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("starts"), py::arg("emb"), py::arg("cos"), py::arg("sin"), py::arg("norm_w"), py::arg("eps"),
            py::arg("head"), py::arg("head_bias"), py::arg("vocab"), py::arg("head_scale"), py::arg("a8"),
            py::arg("eos"), py::arg("head_approx") = py::none(), py::arg("head_bound") = py::none(),
-           py::arg("head_rows") = py::none(), py::call_guard<py::gil_scoped_release>())
+           py::arg("head_rows") = py::none(), py::arg("head_approx_scale") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("__len__", [](const LayerStack& s) { return s.layers.size(); });
 }
