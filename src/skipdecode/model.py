@@ -579,7 +579,7 @@ class Transformer(nn.Module):
         self._stack_plan: tuple[bool, ...] = ()  # per row-count bucket: every layer fuses
         self._stack_layers: tuple = ()  # the blocks the stack was built from, in order
         self._rope_tables: dict = {}  # per dtype: _rope's values for positions 0..n-1 (_rope_lookup)
-        # greedy_steps picks from the fp32 head's bf16 copy where it has one (kernels.greedy_head);
+        # greedy_steps picks from the fp32 head's int8 or bf16 copy where it has one (kernels.greedy_head);
         # False: every logit from the fp32 head (the same picks, for timing one against the other)
         self.greedy_approx = True
 
