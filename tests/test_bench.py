@@ -31,10 +31,16 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     full, skip = rows[("skipdecode", 1.0)], rows[("skipdecode", 2.0)]
     assert full["decode_layer_speedup"] == 1.0 and skip["decode_layer_speedup"] > 1.5
     assert 1 < skip["predicted_speedup"] < skip["decode_layer_speedup"]
-    # the cost model's line runs through full depth and the engine's one-layer step, both timed here
-    per_layer = (full["ms_per_step"] - skip["one_layer_ms_per_step"]) / (saved["settings"]["num_layers"] - 1)
-    assert skip["fixed_ms_per_step"] == pytest.approx(skip["one_layer_ms_per_step"] - per_layer, abs=0.011)
-    assert 0 < skip["fixed_ms_per_step"] < skip["one_layer_ms_per_step"] < full["ms_per_step"]
+    # the cost model's line runs through full depth and the engine's k-layer step, both timed here (k: the
+    # fewest layers a step reads past 1.5x the last-level cache in), and the one-layer line beside it
+    L, k = saved["settings"]["num_layers"], skip["calibration_layers"]
+    assert 1 <= k <= L // 2
+    per_layer = (full["ms_per_step"] - skip["calibration_ms_per_step"]) / (L - k)
+    assert skip["fixed_ms_per_step"] == pytest.approx(skip["calibration_ms_per_step"] - k * per_layer, abs=0.011)
+    assert 0 < skip["calibration_ms_per_step"] < full["ms_per_step"]
+    per_layer1 = (full["ms_per_step"] - skip["one_layer_ms_per_step"]) / (L - 1)
+    assert skip["one_layer_fixed_ms_per_step"] == pytest.approx(skip["one_layer_ms_per_step"] - per_layer1, abs=0.011)
+    assert 0 < skip["one_layer_ms_per_step"] < full["ms_per_step"]
     # the floor is timed apart from the step; where matmuls are ~90% of a step (no AMX, batch 2),
     # 16 tokens of noise can put it a few percent above: a floor twice the step would be a wrong floor
     assert 0 < full["matmul_ms_per_step"] < 1.25 * full["ms_per_step"]

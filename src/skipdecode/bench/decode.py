@@ -10,14 +10,17 @@ measured in this run, never against figures from another day.
 
 The cost model the skip measurements are checked against: a decode step costs
 ``fixed + b * per_layer``, a straight line through two engine steps timed in
-the same rounds: full depth and a schedule that runs one layer per generated
+the same rounds: full depth and a schedule that runs ``k`` layers per generated
 token (``fixed``: all a step does besides its layers, sampling and the engine's
 scheduling included). Predicted speedup of a schedule =
 ``full / (fixed + mean_b * per_layer)``. The line assumes a layer costs the
-same whatever else the step reads; where the last-level cache holds a
-one-layer step's weights and LM head but not a full-depth step's, ``fixed``
-comes out below the LM head's read time from memory and the line predicts
-more than skipping can give (``fixed_ms_per_step`` in the results shows it).
+same whatever else the step reads. Where the last-level cache holds a short
+step's weights and LM head but not a full-depth step's, a line through that
+step puts ``fixed`` below the LM head's read time from memory and predicts more
+than skipping can give: so ``k`` (``calibration_layers``) is the fewest layers
+whose weights and LM head a batch-1 step reads at least 1.5x the last-level
+cache in (1 where the cache size is unknown). The line through full depth and
+one layer per token is reported beside it (``one_layer_*`` in the results).
 """
 
 from __future__ import annotations
@@ -172,6 +175,32 @@ def _plans(llm: LLM) -> dict[str, list[str]]:
     return {n: list(m.plan) for n, m in mods.items() if getattr(m, "plan", None)}
 
 
+def cost_line(full_ms: float, L: int, short_ms: float, k: int, mean_layers: float) -> tuple[float, float]:
+    """The cost model's line through a full-depth step (``full_ms``, ``L`` layers) and a step of ``k``
+    layers (``short_ms``): ``(fixed, predicted speedup)`` of a schedule running ``mean_layers`` a step."""
+    per_layer = (full_ms - short_ms) / (L - k)
+    fixed = short_ms - k * per_layer  # everything a step does besides its layers
+    return fixed, full_ms / (fixed + mean_layers * per_layer)
+
+
+def calibration_schedule(llm: LLM) -> SkipSchedule:
+    """The cost model's short step for ``llm``'s dtype: ``k`` layers every generated token, the
+    fewest whose weights and LM head (as a batch-1 step reads them) reach 1.5x the last-level cache,
+    at most half the layers (1 where the cache size is unknown): a line through a step the cache
+    holds would credit skipping with the cache's speed."""
+    from ..dispatch import llc_bytes
+    from .llamacpp import linear_bytes
+
+    L, llc = llm.num_layers, llc_bytes()
+    net = llm.model
+    layer = sum(linear_bytes(getattr(net.layers[0], n)) for n in BLOCK_LINEARS)
+    head = linear_bytes(net.lm_head, net.greedy_approx)
+    k = 1
+    while llc and k < L // 2 and k * layer + head < 1.5 * llc:
+        k += 1
+    return SkipSchedule(L, k, k, horizon=1, warmup_layers=0)
+
+
 def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os.PathLike = "benchmarks/results",
               batch_sizes: list[int] | None = None, speedups: list[float] | None = None,
               new_tokens: int | None = None, with_transformers: bool = True, repeats: int | None = None,
@@ -193,6 +222,7 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
     llm_onednn = LLM.load(model, use_kernels=False) if on_kernels else None
     schedules = {sp: llm.make_schedule(speedup=sp, expected_new_tokens=N) for sp in speedups}
     one_layer = SkipSchedule(L, 1, 1, horizon=1, warmup_layers=0)  # every generated token runs the last layer only
+    calib = {dt: calibration_schedule(x) for dt, x in llms.items()}  # the cost model's short step, per dtype
     encoded = [llm.encode(p) for p in PROMPTS]
     blk = llm.model.layers[0]
     settings = {"model": model, "model_path": str(llm.path), "num_layers": L, "new_tokens": N, "repeats": R,
@@ -218,8 +248,8 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
         ours = {dt: _Ours(x, ids) for dt, x in llms.items()}
         onednn = _Ours(llm_onednn, ids) if llm_onednn else None
         hf = _HF(llm.path, llm.tokenizer, ids) if with_transformers else None
-        for o in ours.values():  # warm-up
-            for sched in [*schedules.values(), one_layer]:
+        for dt, o in ours.items():  # warm-up
+            for sched in [*schedules.values(), one_layer, calib[dt]]:
                 o.run(sched, 4)
         if onednn:
             onednn.run(schedules[1.0], 4)
@@ -253,6 +283,7 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                 for sp, sched in schedules.items():
                     time_ours(f"{ENGINE_NAMES[dt]}:{sp}", o, sched)
                 time_ours(f"{ENGINE_NAMES[dt]}:one-layer", o, one_layer)
+                time_ours(f"{ENGINE_NAMES[dt]}:calibration", o, calib[dt])
             if onednn:
                 time_ours("skipdecode-onednn:1.0", onednn, schedules[1.0])
             if hf:
@@ -270,10 +301,12 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
         matmul_ms = min(floor_s) * 1000
         # the cost model's two ends, per dtype: a decode step at full depth and one running a single layer
         one_ms = {e.split(":")[0]: min(t) / (N - 1) * 1000 for e, t in t_dec.items() if e.endswith(":one-layer")}
+        calib_ms = {e.split(":")[0]: min(t) / (N - 1) * 1000 for e, t in t_dec.items() if e.endswith(":calibration")}
+        calib_k = {ENGINE_NAMES[dt]: sched.max_exit_layer for dt, sched in calib.items()}
         rows = {}
         for key in t_dec:
             engine, sp = key.split(":")
-            if sp == "one-layer":
+            if sp in ("one-layer", "calibration"):
                 continue
             dec = min(t_dec[key])  # per-step bests summed (ours), a peer's best difference; else best round
             if dec <= 0:
@@ -288,19 +321,22 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                          "prefill_seconds": round(min(t_pre[key]), 4)}
         for key, r in rows.items():
             e = r["engine"]
-            if e in one_ms:
+            if e in calib_ms:
                 full = rows[f"{e}:1.0"]["ms_per_step"]
-                per_layer = (full - one_ms[e]) / (L - 1)
-                fixed = one_ms[e] - per_layer  # everything a step does besides its layers
                 mean_b = L / r["decode_layer_speedup"]
-                predicted = full / (fixed + mean_b * per_layer)
                 measured = full / r["ms_per_step"]
+                k = calib_k[e]
+                fixed, predicted = cost_line(full, L, calib_ms[e], k, mean_b)
+                fixed1, predicted1 = cost_line(full, L, one_ms[e], 1, mean_b)
                 if r["speedup_target"] == 1.0 and e == "skipdecode":
                     r["matmul_ms_per_step"] = round(matmul_ms, 2)
-                r.update(one_layer_ms_per_step=round(one_ms[e], 2), fixed_ms_per_step=round(fixed, 2),
-                         predicted_speedup=round(predicted, 3),
+                r.update(calibration_layers=k, calibration_ms_per_step=round(calib_ms[e], 2),
+                         fixed_ms_per_step=round(fixed, 2), predicted_speedup=round(predicted, 3),
                          measured_speedup=round(measured, 3),
-                         measured_over_predicted=round(measured / predicted, 3))
+                         measured_over_predicted=round(measured / predicted, 3),
+                         one_layer_ms_per_step=round(one_ms[e], 2), one_layer_fixed_ms_per_step=round(fixed1, 2),
+                         one_layer_predicted_speedup=round(predicted1, 3),
+                         one_layer_measured_over_predicted=round(measured / predicted1, 3))
                 if e != "skipdecode":
                     fp32 = rows[key.replace(e, "skipdecode", 1)]
                     r["ms_per_step_vs_fp32"] = round(r["ms_per_step"] / fp32["ms_per_step"], 3)
@@ -344,6 +380,12 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
     return report
 
 
+def _calibration_note(results: list[dict]) -> str:
+    """`` k: fp32 2, int8 6, ...`` from the results' ``calibration_layers`` (empty without them)."""
+    k = {r["engine"]: r["calibration_layers"] for r in results if "calibration_layers" in r}
+    return (" k here: " + ", ".join(f"`{e}` {v}" for e, v in k.items()) + ".") if k else ""
+
+
 def render_markdown(report: dict) -> str:
     m, s = report["machine"], report["settings"]
     feats = m.get("cpu_features", {})
@@ -374,9 +416,13 @@ def render_markdown(report: dict) -> str:
         "steps: greedy, same tokens); transformers' and vLLM's as t(N new tokens) - t(1 new token), best of "
         "the repeats.",
         "- Predicted speedup: cost model `fixed + b * per_layer` per dtype, a straight line through two engine "
-        "decode steps timed in the same rounds: full depth and a schedule that runs one layer per generated "
+        "decode steps timed in the same rounds: full depth and a schedule that runs k layers per generated "
         "token (`fixed`: all a step does besides its layers: embedding, final norm, LM head, sampling, the "
-        "engine's scheduling). Measured over predicted below 1 means skipped layers saved less than their share.",
+        "engine's scheduling). k per dtype is the fewest layers whose weights and LM head a batch-1 step reads "
+        "at 1.5x the last-level cache or more (`calibration_layers`; a step the cache holds would credit "
+        "skipping with the cache's speed); the line through one layer per token is in the JSON too "
+        "(`one_layer_measured_over_predicted`). Measured over predicted below 1 means skipped layers saved "
+        "less than their share." + _calibration_note(report["results"]),
     ]
     if s.get("vllm_note"):
         lines.append(f"- {s['vllm_note']}")
