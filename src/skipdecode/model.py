@@ -931,9 +931,10 @@ class Transformer(nn.Module):
         self._rope_lookup(pos + len(step_layers), torch.float32)  # grows the tables to the last position
         cos, sin = self._rope_tables[torch.float32][2:]
         head = self.lm_head
-        # an fp32 head picks from its int8 (or bf16) copy and the few exact logits that leaves in doubt (the
-        # same picks, a quarter (a half) of the head's bytes), an int8 head from its int8-activation pass where its greedy_plan
-        # has it (the same picks, fewer instructions); kernels without those functions take the full head
+        # an fp32 head picks from its int8 (or bf16) copy and the few exact logits that leaves in doubt
+        # (the same picks, a quarter (a half) of the head's bytes), an int8 head from its int8-activation
+        # pass where its greedy_plan has it (the same picks, fewer instructions); kernels without those
+        # functions take the full head
         approx = {}
         if self.greedy_approx and head.approx is not None and head.greedy_plan[dispatch.bucket(len(tokens))]:
             if head.packed.dtype == torch.int8 and hasattr(self._stack_kernels, "greedy_head_int8"):

@@ -2986,8 +2986,9 @@ void int8_pass_factors(const float* xa, int64_t R, int64_t K, int64_t a8, std::v
 
 // The ids a greedy pick is in doubt between, over every row (sorted, each once): per row r the n with
 // a_n + B_n >= max_m (a_m - B_m), from approximate logits a [R, V] whose error is at most
-// B_n = nx_r c_n (+ mx_r d_n where mxa and da are given: a bound of two terms). False where a row is out of the bound's range (an approximate logit not finite or past
-// 1e30, nx_r not finite or under 2^-60): the caller takes the full head.
+// B_n = nx_r c_n (+ mx_r d_n where mxa and da are given: a bound of two terms). False where a row
+// is out of the bound's range (an approximate logit not finite or past 1e30, nx_r not finite or
+// under 2^-60, mx_r not finite): the caller takes the full head.
 bool ids_in_doubt(const float* aa, int64_t R, int64_t V, const float* nxa, const float* ca, std::vector<int64_t>& all,
                   const float* mxa = nullptr, const float* da = nullptr) {
   std::vector<std::vector<int64_t>> ids(R);
