@@ -76,6 +76,19 @@ def ids_in_doubt(net, ids: list[list[int]], sched) -> list[int]:
     return counts[1:]  # the first call is the prefill's
 
 
+def write_report(out: Path, dtype: str, results: list[dict], **fields) -> None:
+    """``out``: the machine, the kernels' forms, the timing and the command with ``results``."""
+    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()}, "model": "default-e2e",
+              "dtype": dtype, "new_tokens": NEW_TOKENS, **fields,
+              "timing": f"decode seconds over the {NEW_TOKENS - 1} steps after the first token, best of {ROUNDS} "
+                        "interleaved rounds (order alternating) after a warm-up round",
+              "command": "python benchmarks/greedy_head_ab.py " + " ".join(sys.argv[1:]), "results": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def compare_copies(llm, rows: list[int], speedups: list[float], out: Path) -> None:
     """Greedy steps picking from the fp32 head's bf16 copy against its int8 copy (both through their
     pass and the exact logits they leave in doubt), interleaved; writes ``out``."""
@@ -105,17 +118,9 @@ def compare_copies(llm, rows: list[int], speedups: list[float], out: Path) -> No
                  "ids_in_doubt_per_step": doubt}
             results.append(r)
             print(json.dumps(r), flush=True)
-    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()}, "model": "default-e2e",
-              "dtype": "float32", "new_tokens": NEW_TOKENS,
-              "head_bytes": {"float32": head.packed.nbytes, "bfloat16_copy": made["bfloat16"][0].nbytes,
-                             "int8_copy": made["int8"][0].nbytes + made["int8"][1].nbytes},
-              "timing": f"decode seconds over the {NEW_TOKENS - 1} steps after the first token, best of {ROUNDS} "
-                        "interleaved rounds (order alternating) after a warm-up round",
-              "command": "python benchmarks/greedy_head_ab.py " + " ".join(sys.argv[1:]), "results": results}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, "float32", results, head_bytes={
+        "float32": head.packed.nbytes, "bfloat16_copy": made["bfloat16"][0].nbytes,
+        "int8_copy": made["int8"][0].nbytes + made["int8"][1].nbytes})
 
 
 def main() -> None:
@@ -157,21 +162,12 @@ def main() -> None:
             results.append(r)
             print(json.dumps(r), flush=True)
     head = net.lm_head
-    report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()}, "model": "default-e2e",
-              "dtype": dtype, "new_tokens": NEW_TOKENS,
-              "head_bytes": {str(head.packed.dtype).removeprefix("torch."): head.packed.nbytes,
-                             **({"pass": "the head's own panels (two int8 limbs: packed for the pass already)"}
-                                if head.approx is head.packed else
-                                {f"{str(head.approx.dtype).removeprefix('torch.')}_copy": head.approx.nbytes})},
-              "pass_in_plan_note": "pass_in_plan: whether greedy steps of that many rows take the pass (the head's "
-                                   "greedy_plan); where not, both settings run the full head",
-              "timing": f"decode seconds over the {NEW_TOKENS - 1} steps after the first token, best of {ROUNDS} "
-                        "interleaved rounds (order alternating) after a warm-up round",
-              "command": "python benchmarks/greedy_head_ab.py " + " ".join(sys.argv[1:]), "results": results}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, dtype, results, head_bytes={str(head.packed.dtype).removeprefix("torch."): head.packed.nbytes,
+                 **({"pass": "the head's own panels (two int8 limbs: packed for the pass already)"}
+                    if head.approx is head.packed else
+                    {f"{str(head.approx.dtype).removeprefix('torch.')}_copy": head.approx.nbytes})},
+                 pass_in_plan_note="pass_in_plan: whether greedy steps of that many rows take the pass (the "
+                                   "head's greedy_plan); where not, both settings run the full head")
 
 
 if __name__ == "__main__":

@@ -335,6 +335,21 @@ def _head_with_near_ties(V: int, K: int, seed: int) -> torch.Tensor:
     return w
 
 
+def _near_tied_top(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` rows of x and a copy of ``w`` whose rows 3, 7, 11, 12 and V - 1 are nearly or exactly
+    tied at the top of x's logits: copies, a permutation, one ulp up in the weight x is largest at."""
+    V, K = w.shape
+    x = torch.full((rows, K), 0.25)
+    x[:, 5] = 1.0
+    w2 = w.clone()
+    w2[3] = w2[3].abs() + 1.0
+    for i in (7, 12, V - 1):
+        w2[i] = w2[3]
+    w2[11] = w2[3][torch.randperm(K, generator=_gen(3))]
+    w2[12, 5] = torch.nextafter(w2[3, 5], torch.tensor(2.0))
+    return x, w2
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 31, 32, 33, 40])
 def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, isa, head_pass, rows):
@@ -351,14 +366,7 @@ def test_greedy_head_picks_the_full_heads_argmax_in_every_form_and_row_count(k, 
     for x in (torch.randn(rows, K, generator=_gen(rows + 7)) * 3, torch.full((rows, K), 0.25)):
         full = k.argmax_rows(k.linear(x, P, None, V, None, 0))
         assert torch.equal(k.greedy_head(x, P, V, A, c, w), full)
-    x = torch.full((rows, K), 0.25)  # rows 3, 7, 11, 12 and V - 1 nearly or exactly tied at the top
-    x[:, 5] = 1.0
-    w2 = w.clone()
-    w2[3] = w2[3].abs() + 1.0
-    for i in (7, 12, V - 1):
-        w2[i] = w2[3]
-    w2[11] = w2[3][torch.randperm(K, generator=_gen(3))]
-    w2[12, 5] = torch.nextafter(w2[3, 5], torch.tensor(2.0))
+    x, w2 = _near_tied_top(w, rows)
     P2, A2, c2 = kernels.pack_weight(w2), kernels.pack_weight(w2.bfloat16()), head_bound(w2, w2.bfloat16())
     full = k.argmax_rows(k.linear(x, P2, None, V, None, 0))
     assert torch.equal(k.greedy_head(x, P2, V, A2, c2, w2), full)
@@ -414,14 +422,7 @@ def test_greedy_head_on_an_int8_copy_picks_the_full_fp32_heads_argmax_in_every_f
     for x in (x1, torch.full((rows, K), 0.25)):
         full = k.argmax_rows(k.linear(x, P, None, V, None, 0))
         assert torch.equal(k.greedy_head(x, P, V, A, c, w, S), full)
-    x = torch.full((rows, K), 0.25)  # rows 3, 7, 11, 12 and V - 1 nearly or exactly tied at the top
-    x[:, 5] = 1.0
-    w2 = w.clone()
-    w2[3] = w2[3].abs() + 1.0
-    for i in (7, 12, V - 1):
-        w2[i] = w2[3]
-    w2[11] = w2[3][torch.randperm(K, generator=_gen(3))]
-    w2[12, 5] = torch.nextafter(w2[3, 5], torch.tensor(2.0))
+    x, w2 = _near_tied_top(w, rows)
     P2 = kernels.pack_weight(w2)
     A2, S2, c2 = fp32_head_copy(w2, "int8")
     full = k.argmax_rows(k.linear(x, P2, None, V, None, 0))
