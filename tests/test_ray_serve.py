@@ -91,28 +91,29 @@ def test_a_killed_replica_is_restarted_and_requests_keep_succeeding(ray_server):
         assert len(pids) == 2
         victim, survivor = sorted(pids)
 
-        async def long(i):  # streams that outlive the kill; those on the survivor must finish
+        async def opened(i):  # a stream with its headers in: the replica serving it is known
             r = c.completions.with_streaming_response.create(
                 model="tiny", prompt=f"long {i}", max_tokens=400, temperature=0, stream=True)
+            resp = await r.__aenter__()
+            return r, resp, int(resp.headers["x-skipdecode-replica-pid"])
+
+        async def finish(r, resp):  # streams that outlive the kill; those on the survivor must finish
             try:
-                resp = await r.__aenter__()
-            except openai.APIError:  # routed to the killed replica before its headers: no replica served it
-                return None, False
-            try:
-                pid = int(resp.headers["x-skipdecode-replica-pid"])
-                try:
-                    text = "".join([line async for line in resp.iter_lines()])
-                    return pid, text.rstrip().endswith("[DONE]")
-                except Exception:  # noqa: BLE001 - the killed replica's streams may break
-                    return pid, False
+                text = "".join([line async for line in resp.iter_lines()])
+                return text.rstrip().endswith("[DONE]")
+            except Exception:  # noqa: BLE001 - the killed replica's streams may break
+                return False
             finally:
                 await r.__aexit__(None, None, None)
 
-        streams = [asyncio.ensure_future(long(i)) for i in range(8)]
-        await asyncio.sleep(0.5)
+        streams = []
+        for b in range(4):  # open until both replicas serve some (the router may send a batch to one): 32 at most
+            streams += await asyncio.wait_for(asyncio.gather(*(opened(8 * b + i) for i in range(8))), 120)
+            if {pid for _, _, pid in streams} == pids:
+                break
         os.kill(victim, signal.SIGKILL)
-        done = await asyncio.wait_for(asyncio.gather(*streams), 240)
-        on_survivor = [ok for pid, ok in done if pid == survivor]
+        done = await asyncio.wait_for(asyncio.gather(*(finish(r, resp) for r, resp, _ in streams)), 240)
+        on_survivor = [ok for (_, _, pid), ok in zip(streams, done) if pid == survivor]
         assert on_survivor and all(on_survivor), "requests on the other replica are unaffected"
 
         deadline = time.monotonic() + 180
