@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import kernels
 from .checkpoint import save_hf_model
 from .config import ModelError
 from .data import encode_example, load_task
@@ -42,7 +43,7 @@ def check_supported(net: Transformer) -> None:
                          f"this model has {'pre' if cfg.pre_norm else 'post'}-norm layers and a {cfg.mlp} MLP")
     for name, k in (("hidden size", cfg.dim), ("intermediate size", cfg.intermediate_size),
                     ("attention width", cfg.n_heads * cfg.head_dim)):
-        if k % 32:
+        if not kernels.whole_groups(k):
             raise ModelError(f"int4 rounds groups of 32 inputs; the {name} {k} is not a multiple of 32")
 
 

@@ -351,7 +351,7 @@ def time_greedy_head(out_features: int, in_features: int, kernel_module, reps: i
     library = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 32)
     forms = {"greedy": lambda x: kernel_module.greedy_head(x, packed, out_features, approx, bound, w),
              "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, library, None, "none", [], "").argmax(-1)}
-    if in_features % 32 == 0:  # (int8 activations: blocks of 32)
+    if kernels.whole_groups(in_features):
         approx8, scale8, bound8 = fp32_head_copy(w, "int8")
         forms["greedy8"] = lambda x: kernel_module.greedy_head(x, packed, out_features, approx8, bound8, w, scale8)
     return _head_picks_per_bucket(out_features, in_features, reps, _cold_read(w.numel() * 4), forms)
@@ -388,7 +388,9 @@ GREEDY_HEAD_FORMS = ("greedy", "greedy8", "onednn")
 
 
 def _greedy_head_seconds(out_features: int, in_features: int, kernel_module) -> dict[str, list[float]]:
-    forms = GREEDY_HEAD_FORMS if in_features % 32 == 0 else ("greedy", "onednn")  # time_greedy_head's
+    from . import kernels
+
+    forms = GREEDY_HEAD_FORMS if kernels.whole_groups(in_features) else ("greedy", "onednn")  # time_greedy_head's
     return _head_seconds_once(kernel_module, f"greedy head {out_features}x{in_features}", forms,
                               lambda: time_greedy_head(out_features, in_features, kernel_module))
 
@@ -400,7 +402,9 @@ def greedy_head_copy(out_features: int, in_features: int, kernel_module) -> str:
     once per machine with ``greedy_head_plan``'s timings, then cached; ``SKIPDECODE_AUTOTUNE=0`` (or
     kernels without ``greedy_head``): int8. bf16 where ``in_features`` is not a multiple of 32 (int8
     activations are quantized in blocks of 32)."""
-    if in_features % 32:
+    from . import kernels
+
+    if not kernels.whole_groups(in_features):
         return "bfloat16"
     if kernel_module is None or not hasattr(kernel_module, "greedy_head") \
             or os.environ.get("SKIPDECODE_AUTOTUNE", "1") == "0":

@@ -265,6 +265,12 @@ def pack_scales(scales: torch.Tensor) -> torch.Tensor:
 INT4_GROUP = 32  # int4 weights: one scale per output channel and 32 consecutive inputs (llama.cpp's Q4_0 block)
 
 
+def whole_groups(in_features: int) -> bool:
+    """Whether a reduction of this length splits into whole ``INT4_GROUP`` blocks: int4 weights
+    keep one scale per block and int8 activations are quantized per block, so both need it."""
+    return in_features % INT4_GROUP == 0
+
+
 def pack_int4(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` int4 codes (uint8, 0..15, the weight ``(q - 8) * scale``) and ``[N, K/32]`` bf16
     group scales -> the panels ``linear`` streams: per panel of 16 outputs and 8 consecutive

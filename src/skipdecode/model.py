@@ -96,7 +96,7 @@ class PackedLinear(nn.Module):
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, got {weights!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if weights in ("int4", *A8_DTYPES) and self.in_features % kernels.INT4_GROUP:
+        if weights in ("int4", *A8_DTYPES) and not kernels.whole_groups(self.in_features):
             weights = "int8"  # no whole groups of 32 along this weight's inputs
         # int8 activations run on the compiled panels only; without them, weight-only as int8/int4 does
         self.a8 = A8_FORM.get(weights, 0) if kernel_module is not None else 0
@@ -622,7 +622,7 @@ class Transformer(nn.Module):
         greedy = head == "float32" and self.lm_head.bias is None and k is not None
         greedy8 = head in ("int8", "w8a16") and self.lm_head.bias is None and k is not None \
             and hasattr(k, "greedy_head_int8") \
-            and self.lm_head.in_features % kernels.INT4_GROUP == 0  # int8 activations: blocks of 32
+            and kernels.whole_groups(self.lm_head.in_features)  # int8 activations: blocks of 32
         self.lm_head = PackedLinear(self.lm_head, k, head, keep_panels=greedy or greedy8)
         if greedy:
             w = self._head_rows.float().contiguous()  # the dense head (tied: the embedding), kept for drafts

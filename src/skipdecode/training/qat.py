@@ -34,7 +34,7 @@ def rounded_linears(net: Transformer) -> list[nn.Linear]:
     for block in net.layers:
         for name in BLOCK_LINEARS:
             lin = getattr(block, name, None)
-            if isinstance(lin, nn.Linear) and lin.in_features % kernels.INT4_GROUP == 0:
+            if isinstance(lin, nn.Linear) and kernels.whole_groups(lin.in_features):
                 out.append(lin)
     return out
 
