@@ -740,7 +740,7 @@ def test_decode_attention_reads_each_rows_own_slots_of_a_pool(k, isa, heads, kv_
 
 @needs_kernels
 @pytest.mark.parametrize("n,kdim", [(16, 32), (40, 288), (3, 544), (24, 64)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 32])
 def test_int4_panels_equal_the_product_with_the_group_dequantized_weight(k, rows, n, kdim, isa):
     """Two codes per byte, one bf16 scale per output and 32 inputs: the fp32 product with
     ``(q - 8) * scale`` of each group, for row counts on every micro-kernel and K blocks of 256."""
@@ -768,27 +768,31 @@ def test_int4_panels_give_bitwise_identical_outputs_in_the_avx2_and_avx512_forms
     products (masked-word conversions on pre-scaled activations, or at one row the AVX-512 form's
     table lookups on the activations as they are) and FMA chains per column, 1 to 16 rows (13 ends
     in a block of one row; the AVX-512 form runs two of
-    the AVX2 form's row blocks on one decode from 7 rows), K over several blocks of 256, codes at
-    both ends (nibble 7 carries the word's sign bit) and activations with outliers."""
+    the AVX2 form's row blocks on one decode from 7 rows, and two panels at once from 2 to 8 rows),
+    K over several blocks of 256, codes at both ends (nibble 7 carries the word's sign bit),
+    activations with outliers, and 3 and 5 panels, the last partly filled (a pair's second panel
+    or a share's odd last one)."""
     g = _gen(12)
-    q = torch.randint(0, 16, (72, 576), generator=g, dtype=torch.uint8)
-    q[3], q[5] = 0, 15
-    s = (torch.rand(72, 576 // 32, generator=g) * 0.01).bfloat16()
-    x = torch.randn(16, 576, generator=g)
-    x[:, 7] *= 50
-    x[2] = 0
-    packed, ps = kernels.pack_int4(q, s)
-    prev = k.set_isa(False)
-    try:
-        out = {}
-        for form in (False, True):
-            k.set_isa(form)
-            out[form] = [k.linear(x[:m], packed, None, 72, ps) for m in range(1, 17)]
-    finally:
-        k.set_isa(prev)
-    for a, b in zip(out[False], out[True]):
-        assert torch.equal(a, b)
-    assert out[False][0].abs().sum() > 0 and out[False][2][2].abs().sum() == 0
+    for n in (72, 40):
+        q = torch.randint(0, 16, (n, 576), generator=g, dtype=torch.uint8)
+        q[3], q[5] = 0, 15
+        s = (torch.rand(n, 576 // 32, generator=g) * 0.01).bfloat16()
+        x = torch.randn(16, 576, generator=g)
+        x[:, 7] *= 50
+        x[2] = 0
+        b = torch.randn(n, generator=g)
+        packed, ps = kernels.pack_int4(q, s)
+        prev = k.set_isa(False)
+        try:
+            out = {}
+            for form in (False, True):
+                k.set_isa(form)
+                out[form] = [k.linear(x[:m], packed, b, n, ps) for m in range(1, 17)]
+        finally:
+            k.set_isa(prev)
+        for a, c in zip(out[False], out[True]):
+            assert torch.equal(a, c)
+        assert out[False][0].abs().sum() > 0 and torch.equal(out[False][2][2], b)
 
 
 def _panels(dtype: str, n: int, kdim: int, g: torch.Generator):

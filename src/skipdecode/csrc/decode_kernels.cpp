@@ -366,6 +366,14 @@ struct Q4Sums {
   SD_AVX512 void fma(const float* x, int64_t ldx, int j, __m512 wv) {
     for (int r = 0; r < R; ++r) t[j % U][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), wv, t[j % U][r]);
   }
+  // The same for two panels' weights, this panel's (w0) and other's (w1), on one broadcast per row.
+  SD_AVX512 void fma2(const float* x, int64_t ldx, int j, __m512 w0, __m512 w1, Q4Sums& other) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx]);
+      t[j % U][r] = _mm512_fmadd_ps(xb, w0, t[j % U][r]);
+      other.t[j % U][r] = _mm512_fmadd_ps(xb, w1, other.t[j % U][r]);
+    }
+  }
   // acc[r] += (sum - the row's nibble correction sx[r]) * the group's scales sc (acc[r] = where fresh).
   SD_AVX512 void finish(const float* sx, int64_t ldsx, __m512 sc, bool fresh, float* acc) {
     for (int r = 0; r < R; ++r) {
@@ -377,47 +385,101 @@ struct Q4Sums {
   }
 };
 
-template <int R, int R2 = 0>
+// With P = 2 the kernel runs two panels (the second at w + ldw bytes, s + lds scales, acc + lda
+// and y + NR, its ncols2 columns): each row's activation is broadcast once for both panels' FMAs,
+// and twice the FMA chains are in flight. From 2 rows, where the conversion form runs, one panel's
+// chains (a row block's R x U sets) are about as many as two FMA units of 4-cycle latency need,
+// so the units waited on them. Each output keeps its own chain, in the same order: the same bits.
+// On an AMD EPYC (Zen 5), decode steps ran 1.07x faster at 2 rows, 1.10x at 4, 1.15x at 6 and
+// 1.07-1.10x at 8 (benchmarks/results/epyc/kernel-ab-int4-two-panels.json and -rerun.json; 8 rows
+// at 3x 1.07x in the rerun, 0.92x in the first run, whose unchanged controls ran 1.00x and 1.02x).
+// The nibble masks of a pair are one register shifted along (an empty asm keeps GCC from folding
+// them back into eight constants): against eight constants, 1.05x at 8 rows, 1.04x at 6, 0.99x at
+// 4 (-mask-shift.json).
+// Two panels at once for 2 .. Q4_PAIR_ROWS rows: from 9 rows the two panels' sums (22-24 registers)
+// left too few for the rest and spilled, and decode steps at 12 rows ran 0.82x as fast
+// (kernel-ab-int4-two-panels-to-12-rows.json).
+constexpr int64_t Q4_PAIR_ROWS = 8;
+constexpr bool q4_pair(int64_t r) { return !q4_lookup(r) && r <= Q4_PAIR_ROWS; }
+template <int R, int R2 = 0, int P = 1>
 SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, const float* sx, int64_t ldsx,
                                                  const uint8_t* w, const uint16_t* s, int64_t kc, float* acc,
                                                  bool first, bool last, float* y, int64_t ldy, int64_t ncols,
-                                                 const float* bias, const float* res) {
+                                                 const float* bias, const float* res, int64_t ldw = 0,
+                                                 int64_t lds = 0, int64_t lda = 0, int64_t ncols2 = 0) {
   constexpr bool LOOKUP = q4_lookup(R + R2);
+  static_assert(P == 1 || q4_pair(R + R2), "two panels at once only where q4_pair says");
   // the values of a nibble: q (nibbles 0-6), v in two's complement (nibble 7)
   const __m512 tq = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                t7 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   for (int64_t g = 0; g < kc; g += G4) {
-    Q4Sums<R> a;
-    Q4Sums<(R2 > 0 ? R2 : 1)> b;  // the second block's (used only with R2 > 0)
-    a.zero();
-    if constexpr (R2 > 0) b.zero();
+    Q4Sums<R> a[P];
+    Q4Sums<(R2 > 0 ? R2 : 1)> b[P];  // the second block's (used only with R2 > 0)
+    for (int q = 0; q < P; ++q) {
+      a[q].zero();
+      if constexpr (R2 > 0) b[q].zero();
+    }
     for (int64_t k = g; k < g + G4; k += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_BYTES, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + k * 8) + PF_FAR_BYTES, _MM_HINT_T1);
-      const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k * 8));
+      __m512i d[P];
+      for (int q = 0; q < P; ++q) {
+        const uint8_t* wq = w + q * ldw + k * 8;
+        _mm_prefetch(reinterpret_cast<const char*>(wq) + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wq) + PF_FAR_BYTES, _MM_HINT_T1);
+        d[q] = _mm512_loadu_si512(reinterpret_cast<const void*>(wq));
+      }
+      __m512i mask = _mm512_set1_epi32(nibble_mask(0));
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512 wv =
-            LOOKUP ? _mm512_permutexvar_ps(j == 0 ? d : _mm512_srli_epi32(d, 4 * j), j == 7 ? t7 : tq)
-                   : _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(nibble_mask(j))));
-        a.fma(x + k + j, ldx, j, wv);
-        if constexpr (R2 > 0) b.fma(x + R * ldx + k + j, ldx, j, wv);
+        if constexpr (P == 2) {
+          if (j > 0) mask = _mm512_slli_epi32(mask, 4);
+          asm("" : "+v"(mask));
+        }
+        __m512 wv[P];
+        for (int q = 0; q < P; ++q)
+          wv[q] = LOOKUP ? _mm512_permutexvar_ps(j == 0 ? d[q] : _mm512_srli_epi32(d[q], 4 * j), j == 7 ? t7 : tq)
+                         : _mm512_cvtepi32_ps(_mm512_and_si512(d[q], P == 2 ? mask : _mm512_set1_epi32(nibble_mask(j))));
+        if constexpr (P == 1) {
+          a[0].fma(x + k + j, ldx, j, wv[0]);
+          if constexpr (R2 > 0) b[0].fma(x + R * ldx + k + j, ldx, j, wv[0]);
+        } else {
+          a[0].fma2(x + k + j, ldx, j, wv[0], wv[1], a[1]);
+          if constexpr (R2 > 0) b[0].fma2(x + R * ldx + k + j, ldx, j, wv[0], wv[1], b[1]);
+        }
       }
     }
-    const __m512 sc = load_w16(s + (g / G4) * NR);
     const bool fresh = first && g == 0;
-    a.finish(sx + g / G4, ldsx, sc, fresh, acc);
-    if constexpr (R2 > 0) b.finish(sx + R * ldsx + g / G4, ldsx, sc, fresh, acc + R * NR);
+    for (int q = 0; q < P; ++q) {
+      const __m512 sc = load_w16(s + q * lds + (g / G4) * NR);
+      a[q].finish(sx + g / G4, ldsx, sc, fresh, acc + q * lda);
+      if constexpr (R2 > 0) b[q].finish(sx + R * ldsx + g / G4, ldsx, sc, fresh, acc + q * lda + R * NR);
+    }
   }
-  if (last) store_rows(R + R2, acc, y, ldy, ncols, nullptr, bias, res);
+  if (last) {
+    store_rows(R + R2, acc, y, ldy, ncols, nullptr, bias, res);
+    if constexpr (P == 2)
+      store_rows(R + R2, acc + lda, y + NR, ldy, ncols2, nullptr, bias ? bias + NR : nullptr, res ? res + NR : nullptr);
+  }
 }
 
 // r <= 2 * MR rows: one block of r, or (from MR + 1 rows) the AVX2 form's two blocks, MR and r - MR,
-// on one decode.
+// on one decode. np 2 (where q4_pair(r)): two panels at once (the extra arguments as the kernel's).
 SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const float* sx, int64_t ldsx,
                                 const uint8_t* w, const uint16_t* s, int64_t kc, float* acc, bool first, bool last,
-                                float* y, int64_t N, int64_t ncols, const float* bias, const float* res) {
+                                float* y, int64_t N, int64_t ncols, const float* bias, const float* res,
+                                int64_t np = 1, int64_t ldw = 0, int64_t lds = 0, int64_t lda = 0,
+                                int64_t ncols2 = 0) {
   static_assert(MR == 6, "row_block_q4_512 has kernels for 1-6 rows and 6 + 1-6 rows");
+  if (np == 2 && q4_pair(r)) {
+    switch (r) {
+#define SD_Q4_CASE2(n, a, b) \
+      case n: return micro_kernel_q4_512<a, b, 2>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res, \
+                                                  ldw, lds, lda, ncols2);
+      SD_Q4_CASE2(8, 6, 2) SD_Q4_CASE2(7, 6, 1) SD_Q4_CASE2(6, 6, 0) SD_Q4_CASE2(5, 5, 0) SD_Q4_CASE2(4, 4, 0) SD_Q4_CASE2(3, 3, 0)
+      default: return micro_kernel_q4_512<2, 0, 2>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res,
+                                                     ldw, lds, lda, ncols2);
+#undef SD_Q4_CASE2
+    }
+  }
   switch (r) {
 #define SD_Q4_CASE(n, ...) \
     case n: return micro_kernel_q4_512<__VA_ARGS__>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res);
@@ -771,8 +833,9 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
   // x scaled unless every row block takes the lookup (M itself within q4_lookup)
   prescale_q4(xa, M, K, xp, sx, !g_avx512 || !q4_lookup(M));
   const int64_t ng = K / G4;
-  panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
-                                                       float* acc) {
+  // rows m .. m + r of panels p .. p + np - 1 over k0 .. k0 + kc (acc: the first panel's sums, lda apart)
+  const auto block = [&](int64_t p, int64_t np, int64_t k0, int64_t kc, int64_t m, int64_t r, float* acc,
+                         int64_t lda) {
     const int64_t ncols = std::min(NR, n - p * NR);
     const float* bp = ba ? ba + p * NR : nullptr;
     const bool first = k0 == 0, last = k0 + kc == K;
@@ -780,12 +843,37 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
     const uint16_t* s = sa + (p * ng + k0 / G4) * NR;
     const float* xr = (g_avx512 && q4_lookup(r) ? xa : xp.data()) + m * K + k0;
     const float* sr = sx.data() + m * ng + k0 / G4;
+    float* yr = ya + m * n + p * NR;
+    const float* rr = res ? res + m * n + p * NR : nullptr;
     if (g_avx512)
-      row_block_q4_512(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
-                       res ? res + m * n + p * NR : nullptr);
+      row_block_q4_512(r, xr, K, sr, ng, w, s, kc, acc, first, last, yr, n, ncols, bp, rr, np, K * (NR / 2), ng * NR,
+                       lda, np == 2 ? std::min(NR, n - (p + 1) * NR) : 0);
     else
-      row_block_q4(r, xr, K, sr, ng, w, s, kc, acc, first, last, ya + m * n + p * NR, n, ncols, bp,
-                   res ? res + m * n + p * NR : nullptr);
+      row_block_q4(r, xr, K, sr, ng, w, s, kc, acc, first, last, yr, n, ncols, bp, rr);
+  };
+  if (!g_avx512 || q4_lookup(M)) {
+    panel_loop(M, K, NP, g_avx512 ? 2 * MR : MR, [&](int64_t p, int64_t k0, int64_t kc, int64_t m, int64_t r,
+                                                         float* acc) { block(p, 1, k0, kc, m, r, acc, 0); });
+    return;
+  }
+  // The AVX-512 form from 2 rows: panel_loop's order, two panels at a time (a share's odd last alone).
+  const int64_t mr = 2 * MR, lda = ((M + mr - 1) / mr) * mr * NR;
+  parallel_steal(NP, 2, [&](const auto& next) {
+    std::vector<float> acc(2 * lda);
+    for (int64_t p0, p1; next(p0, p1);)
+      for (int64_t p = p0; p < p1; p += 2) {
+        const int64_t np = std::min<int64_t>(2, p1 - p);
+        for (int64_t k0 = 0; k0 < K; k0 += KC)
+          for (int64_t m = 0; m < M; m += mr) {
+            const int64_t kc = std::min(KC, K - k0), r = std::min(mr, M - m);
+            if (np == 2 && !q4_pair(r)) {  // a panel at a time
+              block(p, 1, k0, kc, m, r, acc.data() + m * NR, 0);
+              block(p + 1, 1, k0, kc, m, r, acc.data() + lda + m * NR, 0);
+            } else {
+              block(p, np, k0, kc, m, r, acc.data() + m * NR, lda);
+            }
+          }
+      }
   });
 }
 
