@@ -126,9 +126,17 @@ def use_kernels(net, module) -> None:
 
 
 def main() -> None:
+    if not sys.argv[1:] or {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        raise SystemExit(0 if sys.argv[1:] else 2)
     rounds_differ = "--rounds-differ" in sys.argv[1:]
-    args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
+    try:
+        args, cases = parse_cases([a for a in sys.argv[1:] if a != "--rounds-differ"])
+    except (IndexError, ValueError):
+        raise SystemExit("--case takes DTYPE:BATCH:SPEEDUP, e.g. --case int4:8:1") from None
     kv_dtype = pop_option(args, "--kv-dtype")
+    if not args or not Path(args[0]).is_file():
+        raise SystemExit(f"the first argument must be the other kernel source (a .cpp file); got {args[:1]}")
     other_src, out = Path(args[0]), Path(args[1]) if len(args) > 1 else None
     this, other = kernels.load(), build_other(other_src)
     results = []
