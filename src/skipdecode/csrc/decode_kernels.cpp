@@ -435,9 +435,10 @@ SD_AVX512 static inline void micro_kernel_q4_512(const float* x, int64_t ldx, co
           asm("" : "+v"(mask));
         }
         __m512 wv[P];
+        const __m512i m = P == 2 ? mask : _mm512_set1_epi32(nibble_mask(j));
         for (int q = 0; q < P; ++q)
           wv[q] = LOOKUP ? _mm512_permutexvar_ps(j == 0 ? d[q] : _mm512_srli_epi32(d[q], 4 * j), j == 7 ? t7 : tq)
-                         : _mm512_cvtepi32_ps(_mm512_and_si512(d[q], P == 2 ? mask : _mm512_set1_epi32(nibble_mask(j))));
+                         : _mm512_cvtepi32_ps(_mm512_and_si512(d[q], m));
         if constexpr (P == 1) {
           a[0].fma(x + k + j, ldx, j, wv[0]);
           if constexpr (R2 > 0) b[0].fma(x + R * ldx + k + j, ldx, j, wv[0]);
@@ -474,7 +475,8 @@ SD_AVX512 void row_block_q4_512(int64_t r, const float* x, int64_t K, const floa
 #define SD_Q4_CASE2(n, a, b) \
       case n: return micro_kernel_q4_512<a, b, 2>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res, \
                                                   ldw, lds, lda, ncols2);
-      SD_Q4_CASE2(8, 6, 2) SD_Q4_CASE2(7, 6, 1) SD_Q4_CASE2(6, 6, 0) SD_Q4_CASE2(5, 5, 0) SD_Q4_CASE2(4, 4, 0) SD_Q4_CASE2(3, 3, 0)
+      SD_Q4_CASE2(8, 6, 2) SD_Q4_CASE2(7, 6, 1) SD_Q4_CASE2(6, 6, 0) SD_Q4_CASE2(5, 5, 0) SD_Q4_CASE2(4, 4, 0)
+      SD_Q4_CASE2(3, 3, 0)
       default: return micro_kernel_q4_512<2, 0, 2>(x, K, sx, ldsx, w, s, kc, acc, first, last, y, N, ncols, bias, res,
                                                      ldw, lds, lda, ncols2);
 #undef SD_Q4_CASE2
