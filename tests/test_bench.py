@@ -11,6 +11,8 @@ import pytest
 from skipdecode import dispatch
 from skipdecode.bench import run_bench
 
+from conftest import needs_kernels
+
 
 @pytest.mark.slow
 def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path):
@@ -58,6 +60,23 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     assert (f"last-level cache {llc} MiB" in md) == (llc is not None)
     assert set(saved["settings"]["plans"]) == {"float32", "bfloat16", "int8"}  # every dtype's chosen forms
     assert "- int8: wqkv: " in md
+
+
+@needs_kernels
+def test_the_matmul_floor_takes_the_head_as_a_greedy_step_runs_it():
+    """Greedy steps of an fp32 head pick from its copy (a quarter of its bytes) and the exact logits
+    the copy leaves in doubt, so the floor under such a step times that pick, not the full product:
+    the same tokens as the head's argmax."""
+    import torch
+
+    from skipdecode import LLM
+    from skipdecode.bench.decode import greedy_head_call
+
+    net = LLM.load("default").model
+    call = greedy_head_call(net, 2)
+    assert call is not net.lm_head
+    x = torch.randn(2, 1, net.lm_head.in_features, generator=torch.Generator().manual_seed(0))
+    assert call(x).tolist() == net.lm_head(x).argmax(-1).flatten().tolist()
 
 
 @pytest.mark.slow
