@@ -4,7 +4,9 @@
 fixed-depth steps (full depth and ``k`` layers, ``bench.decode.calibration_schedule``). On a shared
 host one bench run's best round can still sit 10% off, so this times the skipping schedules and
 the line's steps (and a fixed-depth step of the skipping schedule's mean layer count) round by
-round, interleaved, and reports each skipping step against the line and against that step.
+round, interleaved, and reports each skipping step against the line and against that step, and
+against as many layers of the schedule's own family (a nested schedule's order: the line's steps
+run the top layers).
 
     .venv/bin/python benchmarks/skip_vs_fixed_depth.py OUT.json [--dtype D] [--rows R] [--speedups 2,3,5]
 """
@@ -45,6 +47,9 @@ def main() -> None:
         scheds[f"{s:g}x"] = sched
         n = round(mean_layers[s])
         scheds.setdefault(f"fixed{n}", SkipSchedule(L, n, n, horizon=1, warmup_layers=0))
+        # and n layers of the schedule's own family (a nested schedule's order runs other layers than the top n)
+        scheds.setdefault(f"order{n}", SkipSchedule(L, n, n, horizon=1, warmup_layers=0, mode=sched.mode,
+                                                    layer_order=sched.layer_order))
     ms: dict[str, list[float]] = {name: [] for name in scheds}
     for rnd in range(ROUNDS + 1):  # a warm-up round, then each schedule once a round, the order alternating
         for name in list(scheds)[::1 if rnd % 2 else -1]:
@@ -60,7 +65,9 @@ def main() -> None:
         r = {"speedup": s, "mean_layers": round(m, 2), "ms_per_step": round(best[f"{s:g}x"], 3),
              "line_ms": round(line, 3), "measured_over_line": round(line / best[f"{s:g}x"], 3),
              f"fixed_{n}_ms": round(best[f"fixed{n}"], 3),
-             "measured_over_fixed_same_layers": round(best[f"fixed{n}"] * m / n / best[f"{s:g}x"], 3)}
+             "measured_over_fixed_same_layers": round(best[f"fixed{n}"] * m / n / best[f"{s:g}x"], 3),
+             f"order_{n}_ms": round(best[f"order{n}"], 3),
+             "measured_over_fixed_same_layers_in_order": round(best[f"order{n}"] * m / n / best[f"{s:g}x"], 3)}
         results.append(r)
         print(r, flush=True)
     write_report(Path(args[0]), "skip_vs_fixed_depth.py", "schedules", results, dtype=dtype, rows=rows,
