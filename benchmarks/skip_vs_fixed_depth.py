@@ -39,7 +39,7 @@ def main() -> None:
     ids, _ = case_rows(llm, rows, 1.0)
     cal = calibration_schedule(llm)
     k = cal.min_exit_layer
-    scheds = {"full": SkipSchedule(L, L, L, horizon=1, warmup_layers=0), f"fixed{k}": cal}
+    scheds = {"full": SkipSchedule.full_depth(L), f"fixed{k}": cal}
     mean_layers = {}
     for s in speedups:
         _, sched = case_rows(llm, rows, s)

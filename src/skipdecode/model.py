@@ -918,6 +918,25 @@ class Transformer(nn.Module):
         return (self.greedy_approx and head.approx is not None and head.packed is not None
                 and hasattr(head.kernels, "greedy_head") and head.greedy_plan[dispatch.bucket(rows)])
 
+    def greedy_head_approx(self, rows: int) -> dict:
+        """The head's pass a greedy step of ``rows`` rows picks from (``greedy_steps``' keyword
+        arguments; empty: the full head). An fp32 head picks from its int8 (or bf16) copy and the
+        few exact logits that leaves in doubt (the same picks, a quarter (a half) of the head's
+        bytes), an int8 head from its int8-activation pass where its greedy_plan has it (the same
+        picks, fewer instructions); kernels without those functions take the full head."""
+        head, k = self.lm_head, self._stack_kernels
+        if not (self.greedy_approx and getattr(head, "approx", None) is not None
+                and head.greedy_plan[dispatch.bucket(rows)]):
+            return {}
+        if head.packed.dtype == torch.int8 and hasattr(k, "greedy_head_int8"):
+            return {"head_approx": head.approx, "head_bound": head.approx_bound}
+        if head.packed.dtype == torch.float32 and hasattr(k, "greedy_head"):
+            approx = {"head_approx": head.approx, "head_bound": head.approx_bound, "head_rows": self._head_rows}
+            if head.approx_scale is not None:  # the int8 copy
+                approx["head_approx_scale"] = head.approx_scale
+            return approx
+        return {}
+
     @torch.inference_mode()
     def greedy_steps(self, tokens: Sequence[int], positions: Sequence[int], step_layers: Sequence[Sequence[int]],
                      pools: Sequence[tuple[torch.Tensor, torch.Tensor]], starts: torch.Tensor,
@@ -931,18 +950,7 @@ class Transformer(nn.Module):
         self._rope_lookup(pos + len(step_layers), torch.float32)  # grows the tables to the last position
         cos, sin = self._rope_tables[torch.float32][2:]
         head = self.lm_head
-        # an fp32 head picks from its int8 (or bf16) copy and the few exact logits that leaves in doubt
-        # (the same picks, a quarter (a half) of the head's bytes), an int8 head from its int8-activation
-        # pass where its greedy_plan has it (the same picks, fewer instructions); kernels without those
-        # functions take the full head
-        approx = {}
-        if self.greedy_approx and head.approx is not None and head.greedy_plan[dispatch.bucket(len(tokens))]:
-            if head.packed.dtype == torch.int8 and hasattr(self._stack_kernels, "greedy_head_int8"):
-                approx = {"head_approx": head.approx, "head_bound": head.approx_bound}
-            elif head.packed.dtype == torch.float32 and hasattr(self._stack_kernels, "greedy_head"):
-                approx = {"head_approx": head.approx, "head_bound": head.approx_bound, "head_rows": self._head_rows}
-                if head.approx_scale is not None:  # the int8 copy
-                    approx["head_approx_scale"] = head.approx_scale
+        approx = self.greedy_head_approx(len(tokens))
         out = self._stack.greedy(torch.tensor(list(tokens), dtype=torch.long), pos, [list(l) for l in step_layers],
                                  [p[0] for p in pools], [p[1] for p in pools], starts, self.tok_emb.weight.detach(),
                                  cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1),

@@ -104,22 +104,17 @@ def layer_linears(net, rows: int) -> list[tuple[torch.nn.Module, Callable]]:
 
 
 def greedy_head_call(net, rows: int) -> Callable[[torch.Tensor], object]:
-    """The LM head's call in a greedy step of ``rows`` rows: the pick from its copy's pass and the
-    exact logits it leaves in doubt where ``Transformer.greedy_steps`` takes it, else the head."""
-    from .. import dispatch
-
+    """The LM head's call in a greedy step of ``rows`` rows: the pick from the pass
+    ``Transformer.greedy_head_approx`` names, where the native loop takes it, else the head."""
     head = net.lm_head
-    k = getattr(head, "kernels", None)
-    if not (net.native_greedy(rows) and net.greedy_approx and getattr(head, "approx", None) is not None
-            and head.greedy_plan[dispatch.bucket(rows)]):
+    a = net.greedy_head_approx(rows) if net.native_greedy(rows) else {}
+    if not a:
         return head
-    if head.packed.dtype == torch.int8 and hasattr(k, "greedy_head_int8"):
-        return lambda x: k.greedy_head_int8(x, head.packed, head.panel_scales, head.out_features, head.approx,
-                                            head.approx_bound, head.a8)
-    if head.packed.dtype == torch.float32 and hasattr(k, "greedy_head"):
-        return lambda x: k.greedy_head(x, head.packed, head.out_features, head.approx, head.approx_bound,
-                                       net._head_rows, head.approx_scale)
-    return head
+    if "head_rows" not in a:  # an int8 head's int8-activation pass
+        return lambda x: head.kernels.greedy_head_int8(x, head.packed, head.panel_scales, head.out_features,
+                                                       a["head_approx"], a["head_bound"], head.a8)
+    return lambda x: head.kernels.greedy_head(x, head.packed, head.out_features, a["head_approx"], a["head_bound"],
+                                              a["head_rows"], a.get("head_approx_scale"))
 
 
 class _Ours:

@@ -763,14 +763,24 @@ void parallel_steal(int64_t n, int64_t chunk, const Worker& worker) {
 // block stays in L1 while every row block uses it), rows in blocks of mr. body(p, k0, kc, m, r, acc)
 // runs rows m..m+r of panel p over k0..k0+kc, with acc the running sums of those rows. A thread
 // takes its share two panels at a time and one that runs out takes from another's (parallel_steal).
-template <typename Body>
+// With P > 1 a body call takes up to P consecutive panels of a share (fewer at its end):
+// body(p, np, k0, kc, m, r, acc, lda), panel p + j's sums at acc + j * lda.
+template <int P = 1, typename Body>
 void panel_loop(int64_t M, int64_t K, int64_t NP, int64_t mr, const Body& body) {
+  const int64_t lda = ((M + mr - 1) / mr) * mr * NR;
   parallel_steal(NP, 2, [&](const auto& next) {
-    std::vector<float> acc(((M + mr - 1) / mr) * mr * NR);
+    std::vector<float> acc(P * lda);
     for (int64_t p0, p1; next(p0, p1);)
-      for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t p = p0; p < p1; p += P) {
+        const int64_t np = std::min<int64_t>(P, p1 - p);
         for (int64_t k0 = 0; k0 < K; k0 += KC)
-          for (int64_t m = 0; m < M; m += mr) body(p, k0, std::min(KC, K - k0), m, std::min(mr, M - m), acc.data() + m * NR);
+          for (int64_t m = 0; m < M; m += mr) {
+            const int64_t kc = std::min(KC, K - k0), r = std::min(mr, M - m);
+            if constexpr (P == 1)
+              body(p, k0, kc, m, r, acc.data() + m * NR);
+            else
+              body(p, np, k0, kc, m, r, acc.data() + m * NR, lda);
+          }
       }
   });
 }
@@ -858,24 +868,15 @@ void linear_panels_q4(const float* xa, int64_t M, const uint8_t* wa, int64_t K, 
                                                          float* acc) { block(p, 1, k0, kc, m, r, acc, 0); });
     return;
   }
-  // The AVX-512 form from 2 rows: panel_loop's order, two panels at a time (a share's odd last alone).
-  const int64_t mr = 2 * MR, lda = ((M + mr - 1) / mr) * mr * NR;
-  parallel_steal(NP, 2, [&](const auto& next) {
-    std::vector<float> acc(2 * lda);
-    for (int64_t p0, p1; next(p0, p1);)
-      for (int64_t p = p0; p < p1; p += 2) {
-        const int64_t np = std::min<int64_t>(2, p1 - p);
-        for (int64_t k0 = 0; k0 < K; k0 += KC)
-          for (int64_t m = 0; m < M; m += mr) {
-            const int64_t kc = std::min(KC, K - k0), r = std::min(mr, M - m);
-            if (np == 2 && !q4_pair(r)) {  // a panel at a time
-              block(p, 1, k0, kc, m, r, acc.data() + m * NR, 0);
-              block(p + 1, 1, k0, kc, m, r, acc.data() + lda + m * NR, 0);
-            } else {
-              block(p, np, k0, kc, m, r, acc.data() + m * NR, lda);
-            }
-          }
-      }
+  // The AVX-512 form from 2 rows: two panels a body call (a share's odd last alone)
+  panel_loop<2>(M, K, NP, 2 * MR, [&](int64_t p, int64_t np, int64_t k0, int64_t kc, int64_t m, int64_t r,
+                                      float* acc, int64_t lda) {
+    if (np == 2 && !q4_pair(r)) {  // a panel at a time
+      block(p, 1, k0, kc, m, r, acc, 0);
+      block(p + 1, 1, k0, kc, m, r, acc + lda, 0);
+    } else {
+      block(p, np, k0, kc, m, r, acc, lda);
+    }
   });
 }
 
