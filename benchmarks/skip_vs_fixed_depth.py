@@ -4,7 +4,8 @@
 fixed-depth steps (full depth and ``k`` layers, ``bench.decode.calibration_schedule``). On a shared
 host one bench run's best round can still sit 10% off, so this times the skipping schedules and
 the line's steps (and a fixed-depth step of the skipping schedule's mean layer count) round by
-round, interleaved, and reports each skipping step against the line and against that step, and
+round, interleaved, and reports each skipping step against the line (the line through the best
+steps, and paired: the median over the rounds of each round's own ratio), against that step, and
 against as many layers of the schedule's own family (a nested schedule's order: the line's steps
 run the top layers).
 
@@ -13,13 +14,14 @@ run the top layers).
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
 from kernel_ab import NEW_TOKENS, case_rows, pop_option, write_report  # the same cases and report
 
 from skipdecode import LLM
-from skipdecode.bench.decode import calibration_schedule
+from skipdecode.bench.decode import calibration_schedule, round_ratios
 from skipdecode.generate import generate_tokens
 from skipdecode.schedule import SkipSchedule
 
@@ -64,6 +66,9 @@ def main() -> None:
         line = best[f"fixed{k}"] + (m - k) * slope
         r = {"speedup": s, "mean_layers": round(m, 2), "ms_per_step": round(best[f"{s:g}x"], 3),
              "line_ms": round(line, 3), "measured_over_line": round(line / best[f"{s:g}x"], 3),
+             # the same within each round (the line's steps and this schedule's from one round), the median
+             "measured_over_line_round_median": round(statistics.median(
+                 round_ratios(ms["full"], ms[f"fixed{k}"], ms[f"{s:g}x"], L, k, m)), 3),
              f"fixed_{n}_ms": round(best[f"fixed{n}"], 3),
              "measured_over_fixed_same_layers": round(best[f"fixed{n}"] * m / n / best[f"{s:g}x"], 3),
              f"order_{n}_ms": round(best[f"order{n}"], 3),

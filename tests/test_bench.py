@@ -10,6 +10,7 @@ import pytest
 
 from skipdecode import dispatch
 from skipdecode.bench import run_bench
+from skipdecode.bench.decode import cost_line, round_ratios
 
 from conftest import needs_kernels
 
@@ -43,6 +44,9 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     per_layer1 = (full["ms_per_step"] - skip["one_layer_ms_per_step"]) / (L - 1)
     assert skip["one_layer_fixed_ms_per_step"] == pytest.approx(skip["one_layer_ms_per_step"] - per_layer1, abs=0.011)
     assert 0 < skip["one_layer_ms_per_step"] < full["ms_per_step"]
+    # and the same ratio round by round (3 repeats: 3 paired ratios), their median beside it
+    assert len(skip["measured_over_predicted_rounds"]) == 3
+    assert skip["measured_over_predicted_round_median"] == sorted(skip["measured_over_predicted_rounds"])[1]
     # the floor is timed apart from the step; where matmuls are ~90% of a step (no AMX, batch 2),
     # 16 tokens of noise can put it a few percent above: a floor twice the step would be a wrong floor
     assert 0 < full["matmul_ms_per_step"] < 1.25 * full["ms_per_step"]
@@ -60,6 +64,21 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     assert (f"last-level cache {llc} MiB" in md) == (llc is not None)
     assert set(saved["settings"]["plans"]) == {"float32", "bfloat16", "int8"}  # every dtype's chosen forms
     assert "- int8: wqkv: " in md
+
+
+def test_a_slow_round_slows_the_lines_steps_and_the_skipping_step_alike_and_leaves_its_ratio():
+    """Paired: each round's ratio comes from that round's three decode times, so a round run 1.5x
+    slower throughout gives the same ratio, where the best of each step over the rounds mixes rounds."""
+    L, k, mean_layers = 30, 12, 6.05
+    full, short = 8.0, 3.8
+    fixed, predicted = cost_line(full, L, short, k, mean_layers)
+    skip = full / (0.9 * predicted)  # a skipping step that keeps 0.9 of the line's speedup
+    slow = [1.0, 1.5, 0.8, 1.2]
+    got = round_ratios([full * f for f in slow], [short * f for f in slow], [skip * f for f in slow], L, k, mean_layers)
+    assert got == pytest.approx([0.9] * 4)
+    # a slow spell that hits the skipping step alone shows in that round only
+    got = round_ratios([full] * 3, [short] * 3, [skip, 1.25 * skip, skip], L, k, mean_layers)
+    assert got == pytest.approx([0.9, 0.72, 0.9])
 
 
 @needs_kernels
