@@ -5,6 +5,10 @@ Machines like these move by more between runs than a kernel change does, so a ch
 and on the same model: the other source is built under its own name, the model's layers run on
 each in turn (interleaved rounds, best of each), and both must give the same tokens.
 
+Each case reports this version's steps per second over the other's from the best round of each,
+and paired: the median over the rounds of the two versions' ratio within a round (run back to
+back, so a slow spell that spans a round slows both).
+
 Run from the repository root, e.g. against the previous commit's kernels:
     git show HEAD~1:src/skipdecode/csrc/decode_kernels.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/kernel_ab.py /tmp/before.cpp benchmarks/results/kernel-ab.json
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -81,10 +86,12 @@ def write_report(out: Path, script: str, what: str, results: list, **extra) -> N
     print(f"wrote {out}")
 
 
-def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS) -> tuple[dict[str, float], dict[str, list]]:
+def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS, rounds_out: dict | None = None
+                ) -> tuple[dict[str, float], dict[str, list]]:
     """Decode ``ids`` with ``sched`` on each of ``runs`` (name -> a callable that readies and returns
     the model) in turn, ``rounds`` times after a warm-up round, the order alternating between
-    rounds: each run's best ms per decode step (after the first token) and its rows' tokens."""
+    rounds: each run's best ms per decode step (after the first token) and its rows' tokens.
+    ``rounds_out`` (if given) gets each run's ms per step in every round after the warm-up."""
     ms: dict[str, list[float]] = {name: [] for name in runs}
     tokens = {}
     for rnd in range(rounds + 1):
@@ -92,14 +99,17 @@ def interleaved(runs: dict, ids: list, sched, rounds: int = ROUNDS) -> tuple[dic
             rows, st = generate_tokens(runs[name](), ids, sched, NEW_TOKENS, eos_token_ids=())
             ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
             tokens[name] = [r.token_ids for r in rows]
+    if rounds_out is not None:
+        rounds_out.update({name: v[1:] for name, v in ms.items()})
     return {name: min(v[1:]) for name, v in ms.items()}, tokens
 
 
-def ab_model(net, apply, settings: dict, ids: list, sched, label: str, rounds_differ: bool = False
-             ) -> tuple[dict[str, float], int]:
+def ab_model(net, apply, settings: dict, ids: list, sched, label: str, rounds_differ: bool = False,
+             rounds_out: dict | None = None) -> tuple[dict[str, float], int]:
     """``interleaved`` over one model under two ``settings`` (name -> a value ``apply(net, value)``
     puts on it; its layer stack is rebuilt after each): each setting's best ms per step and how many
-    rows decode the same tokens under both. Stops where they differ, unless ``rounds_differ``."""
+    rows decode the same tokens under both. Stops where they differ, unless ``rounds_differ``.
+    ``rounds_out``: as ``interleaved``'s."""
     def on(value):
         def ready():
             apply(net, value)
@@ -107,7 +117,7 @@ def ab_model(net, apply, settings: dict, ids: list, sched, label: str, rounds_di
             return net
         return ready
 
-    best, tokens = interleaved({name: on(v) for name, v in settings.items()}, ids, sched)
+    best, tokens = interleaved({name: on(v) for name, v in settings.items()}, ids, sched, rounds_out=rounds_out)
     first, second = tokens.values()
     same_rows = sum(a == b for a, b in zip(first, second))
     if same_rows < len(first) and not rounds_differ:
@@ -144,14 +154,17 @@ def main() -> None:
         llm = LLM.load("default-e2e", dtype=dtype, kv_dtype=kv_dtype)
         net = llm.model
         ids, sched = case_rows(llm, batch, speedup)
+        rounds: dict[str, list[float]] = {}
         best, same_rows = ab_model(net, use_kernels, {"other": other, "this": this}, ids, sched,
-                                   f"{dtype} batch {batch} {speedup:g}x", rounds_differ)
+                                   f"{dtype} batch {batch} {speedup:g}x", rounds_differ, rounds)
+        paired = statistics.median(o / t for o, t in zip(rounds["other"], rounds["this"]))
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
              "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
-             round(best["other"] / best["this"], 3), "rows_with_the_same_tokens": same_rows}
+             round(best["other"] / best["this"], 3), "this_over_other_round_median": round(paired, 3),
+             "rows_with_the_same_tokens": same_rows}
         results.append(r)
         print(f"{dtype:8s} B={batch:<2} {speedup:g}x  other {best['other']:6.2f}  this {best['this']:6.2f} ms/step  "
-              f"{r['this_over_other_tokens_per_s']:.3f}x", flush=True)
+              f"{r['this_over_other_tokens_per_s']:.3f}x (paired, round median {paired:.3f}x)", flush=True)
     if out:
         write_report(out, "kernel_ab.py", "versions", results,
                      kernel_forms={"isa": kernels.isa(), "a8": kernels.a8_form()}, other_source=str(other_src),

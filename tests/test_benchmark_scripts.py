@@ -45,3 +45,19 @@ def test_kernel_ab_runs_the_other_kernel_version_in_the_native_decode_loop_as_th
     assert net.native_greedy(1)
     assert all(m.kernels is other for m in net.modules() if getattr(m, "kernels", None) is not None)
     assert net.lm_head.kernels is other and net.norm.kernels is other
+
+
+def test_interleaved_hands_out_every_rounds_time_after_the_warm_up_and_takes_the_best_of_them(tiny_dirs):
+    """kernel_ab's paired ratio is the median over these rounds of the two versions' ratio, so each
+    run's list must hold one time per round, warm-up left out, its least the best reported."""
+    kernel_ab = _script("kernel_ab")
+    net = load_model(tiny_dirs["llama"])[0]
+    from skipdecode.schedule import SkipSchedule
+
+    L = net.cfg.n_layers
+    rounds: dict = {}
+    best, tokens = kernel_ab.interleaved({"a": lambda: net, "b": lambda: net}, [[1, 5, 9, 3]],
+                                         SkipSchedule.full_depth(L), rounds=3, rounds_out=rounds)
+    assert set(rounds) == {"a", "b"} and all(len(v) == 3 for v in rounds.values())
+    assert best == {name: min(v) for name, v in rounds.items()}
+    assert tokens["a"] == tokens["b"]

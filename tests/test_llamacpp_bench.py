@@ -182,3 +182,12 @@ def test_the_report_holds_only_same_activation_dtypes_against_q8_0_and_q4_0_in_i
     assert lines[3] == "| batch | float32 / f32 | w8a8 / q8_0 | w4a8 / q4_0 |"
     assert lines[5:] == ["| 1 | 1.17x | 1.72x |  |", "| 8 |  |  | 2.46x |"]  # int8 / int4 and 3x rows left out
     assert same_precision_lines([row("skipdecode-int4", 1, 1.63)]) == []
+
+
+def test_a_paired_ratio_is_the_median_of_each_rounds_own_ratio_and_needs_the_same_rounds():
+    ours = [2.0, 3.0, 2.2, 2.1]  # a slow second round slows both engines
+    peer = [3.0, 4.5, 3.3, 4.2]  # and a spell in the last round slowed the peer alone
+    assert llamacpp.round_median(peer, ours) == pytest.approx(1.5)
+    assert llamacpp.round_median(peer, ours[:3]) is None  # not timed in the same rounds
+    assert llamacpp.round_median([], []) is None
+

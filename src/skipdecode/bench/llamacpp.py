@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -214,6 +215,15 @@ def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0, probe: torch.Tensor |
     return max(read_rates_gbs(probe if probe is not None else read_probe(gib), module, repeats).values())
 
 
+def round_median(num: list[float], den: list[float]) -> float | None:
+    """The median over the rounds of num[i] / den[i] (both measured in round i), or None where they
+    were not measured in the same rounds. A ratio of two bests can take each side from a different
+    spell of a shared host; a slow spell that spans a round moves both sides of its paired ratio."""
+    if not num or len(num) != len(den):
+        return None
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
 def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
                  repeats: int, threads: int) -> dict:
     script = Path(__file__).with_name("llamacpp_offline.py")
@@ -261,6 +271,7 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
 
     k = base.model.kernels
     readers: dict[str, float] = {}
+    round_bw: list[float] = []  # each round's fastest reader, for the fractions paired with that round's steps
     fma = 0.0  # GFLOP/s, measured in every round too (not reported without the compiled kernels)
     t_dec: dict[tuple, list[float]] = {}  # (engine, batch, speedup) -> seconds of the N - 1 decode steps, per round
     ours = {B: {dt: _Ours(x, ids_all[:B]) for dt, x in llms.items()} for B in batch_sizes}
@@ -279,7 +290,9 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
                 for sp, s in schedules.items():
                     t_dec.setdefault((ENGINE_NAMES.get(dt, f"skipdecode-{dt}"), B, sp), []).append(
                         o.run(s, N)["decode_seconds"])
-        for name, rate in read_rates_gbs(probe, k).items():
+        rates = read_rates_gbs(probe, k)
+        round_bw.append(max(rates.values()))
+        for name, rate in rates.items():
             readers[name] = max(readers.get(name, 0.0), rate)
         if k is not None:
             fma = max(fma, kernels.fma_peak_gflops(k, repeats=3))
@@ -305,6 +318,9 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
             r["weight_bytes_per_step"] = nbytes
             r["read_gbs"] = round(nbytes / (ms / 1000) / 1e9, 2)
             r["fraction_of_bandwidth"] = round(r["read_gbs"] / bw, 3)
+            paired = round_median([nbytes * (N - 1) / t / 1e9 for t in td], round_bw)
+            if paired is not None:  # each round's step over that round's fastest reader
+                r["fraction_of_bandwidth_round_median"] = round(paired, 3)
         if sp == 1.0:
             r["weight_gflops"] = round(2 * macs * B / (ms / 1000) / 1e9, 1)
             if fma and engine in FP32_FMA:
@@ -317,6 +333,10 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
         if peer:
             r["vs_llamacpp"] = peer["engine"]
             r["tokens_per_s_vs_llamacpp"] = round(r["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 3)
+            paired = round_median(t_dec[(peer["engine"], peer["batch_size"], 1.0)],
+                                  t_dec[(r["engine"], r["batch_size"], r["speedup_target"])])
+            if paired is not None:  # llama.cpp's decode time over ours, each from the same round
+                r["tokens_per_s_vs_llamacpp_round_median"] = round(paired, 3)
     results.sort(key=lambda r: (r["batch_size"], r["engine"], r["speedup_target"]))
     ours_tokens = generate_tokens(llms[dtypes[0]].model, [encoded[0]], schedules[1.0], N, eos_token_ids=())[0][0].token_ids
     agree = {}
@@ -427,6 +447,10 @@ def render_markdown(report: dict) -> str:
         f"- Read bandwidth measured here: {s['read_bandwidth_gbs']:.1f} GB/s: {read_text(s)}; batch-1 full-depth "
         "rows give the weight bytes a step reads over its time (a fraction above 100% means the engine streams "
         "weights faster than those readers do, as it can where the last-level cache holds some of them).",
+        "- Paired (where given): the same ratio within each round, this engine's decode against llama.cpp's or "
+        "against the round's fastest reader, the median of the rounds. The bests above can come from different "
+        "spells of a shared host for each side of a ratio; a slow spell that spans a round hits both sides of "
+        "its paired ratio.",
     ]
     if s.get("fma_peak_gflops"):
         lines.append(
@@ -444,8 +468,12 @@ def render_markdown(report: dict) -> str:
     ]
     for r in report["results"]:
         vs = f"{r['tokens_per_s_vs_llamacpp']:.2f}x {r['vs_llamacpp']}" if "vs_llamacpp" in r else ""
+        if "tokens_per_s_vs_llamacpp_round_median" in r:
+            vs += f" (paired {r['tokens_per_s_vs_llamacpp_round_median']:.2f}x)"
         bw = (f"{r['weight_bytes_per_step'] / 1e6:.0f} | {r['read_gbs']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}%"
               if "read_gbs" in r else " | | ")
+        if "fraction_of_bandwidth_round_median" in r:
+            bw += f" (paired {100 * r['fraction_of_bandwidth_round_median']:.0f}%)"
         fl = (f"{r['weight_gflops']:.0f} | " if "weight_gflops" in r else " | ") + (
             f"{100 * r['fraction_of_fma_peak']:.0f}%" if "fraction_of_fma_peak" in r else "")
         lines.append(f"| {r['batch_size']} | {r['engine']} | {r['speedup_target']:g}x | {r['decode_layer_speedup']:.2f} "
