@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 from skipdecode import LLM, kernels
-from skipdecode.bench.decode import PROMPTS, machine_info
+from skipdecode.bench.decode import PROMPTS, machine_info, round_median
 from skipdecode.generate import generate_tokens
 
 CASES = [("int8", 1, 1.0), ("int4", 1, 1.0), ("w8a8", 1, 1.0), ("w4a8", 1, 1.0), ("float32", 1, 1.0),
@@ -157,7 +156,7 @@ def main() -> None:
         rounds: dict[str, list[float]] = {}
         best, same_rows = ab_model(net, use_kernels, {"other": other, "this": this}, ids, sched,
                                    f"{dtype} batch {batch} {speedup:g}x", rounds_differ, rounds)
-        paired = statistics.median(o / t for o, t in zip(rounds["other"], rounds["this"]))
+        paired = round_median(rounds["other"], rounds["this"])
         r = {"dtype": dtype, "batch": batch, "speedup": speedup, "ms_per_step_other": round(best["other"], 3),
              "ms_per_step_this": round(best["this"], 3), "this_over_other_tokens_per_s":
              round(best["other"] / best["this"], 3), "this_over_other_round_median": round(paired, 3),

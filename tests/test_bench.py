@@ -71,7 +71,7 @@ def test_a_slow_round_slows_the_lines_steps_and_the_skipping_step_alike_and_leav
     slower throughout gives the same ratio, where the best of each step over the rounds mixes rounds."""
     L, k, mean_layers = 30, 12, 6.05
     full, short = 8.0, 3.8
-    fixed, predicted = cost_line(full, L, short, k, mean_layers)
+    _, predicted = cost_line(full, L, short, k, mean_layers)
     skip = full / (0.9 * predicted)  # a skipping step that keeps 0.9 of the line's speedup
     slow = [1.0, 1.5, 0.8, 1.2]
     got = round_ratios([full * f for f in slow], [short * f for f in slow], [skip * f for f in slow], L, k, mean_layers)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from skipdecode.bench import llamacpp
+from skipdecode.bench.decode import round_median
 from skipdecode.bench.llamacpp import (LlamaCppMissing, llamacpp_paths, read_bandwidth_gbs, same_precision_lines,
                                        step_bytes, step_macs)
 
@@ -187,7 +188,7 @@ def test_the_report_holds_only_same_activation_dtypes_against_q8_0_and_q4_0_in_i
 def test_a_paired_ratio_is_the_median_of_each_rounds_own_ratio_and_needs_the_same_rounds():
     ours = [2.0, 3.0, 2.2, 2.1]  # a slow second round slows both engines
     peer = [3.0, 4.5, 3.3, 4.2]  # and a spell in the last round slowed the peer alone
-    assert llamacpp.round_median(peer, ours) == pytest.approx(1.5)
-    assert llamacpp.round_median(peer, ours[:3]) is None  # not timed in the same rounds
-    assert llamacpp.round_median([], []) is None
+    assert round_median(peer, ours) == pytest.approx(1.5)
+    assert round_median(peer, ours[:3]) is None  # not timed in the same rounds
+    assert round_median([], []) is None
 

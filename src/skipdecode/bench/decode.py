@@ -200,6 +200,15 @@ def cost_line(full_ms: float, L: int, short_ms: float, k: int, mean_layers: floa
     return fixed, full_ms / (fixed + mean_layers * per_layer)
 
 
+def round_median(num: list[float], den: list[float]) -> float | None:
+    """The median over the rounds of num[i] / den[i] (both measured in round i), or None where they
+    were not measured in the same rounds. A ratio of two bests can take each side from a different
+    spell of a shared host; a slow spell that spans a round moves both sides of its paired ratio."""
+    if not num or len(num) != len(den):
+        return None
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
 def round_ratios(full: list[float], short: list[float], skip: list[float], L: int, k: int,
                  mean_layers: float) -> list[float]:
     """Measured over predicted speedup within each round: the line's two steps and the skipping step

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from ..errors import SkipDecodeError
 from ..generate import generate_tokens
 from ..llm import LLM
 from ..model import BLOCK_LINEARS
-from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, llc_text, machine_info, write_report
+from .decode import ENGINE_NAMES, PROMPTS, _best_time, _Ours, llc_text, machine_info, round_median, write_report
 
 # skipdecode dtype -> the llama.cpp type of the same size class it is compared with (Q8_0 and Q4_0
 # also quantize activations to 8 bits in blocks of 32 for their dot products, as w8a8 and w4a8 do;
@@ -213,15 +212,6 @@ def read_bandwidth_gbs(repeats: int = 5, gib: float = 1.0, probe: torch.Tensor |
     """The machine's read bandwidth with the bench's threads: the fastest reader of ``read_rates_gbs``
     over a tensor far larger than the caches (``probe``, else a new ``read_probe(gib)``)."""
     return max(read_rates_gbs(probe if probe is not None else read_probe(gib), module, repeats).values())
-
-
-def round_median(num: list[float], den: list[float]) -> float | None:
-    """The median over the rounds of num[i] / den[i] (both measured in round i), or None where they
-    were not measured in the same rounds. A ratio of two bests can take each side from a different
-    spell of a shared host; a slow spell that spans a round moves both sides of its paired ratio."""
-    if not num or len(num) != len(den):
-        return None
-    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def run_llamacpp(paths: dict[str, Path], gguf: Path, ids: list[list[int]], batch_sizes: list[int], new_tokens: int,
