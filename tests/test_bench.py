@@ -47,6 +47,9 @@ def test_bench_writes_every_engine_and_dtype_with_speeds_and_the_floor(tmp_path)
     # and the same ratio round by round (3 repeats: 3 paired ratios), their median beside it
     assert len(skip["measured_over_predicted_rounds"]) == 3
     assert skip["measured_over_predicted_round_median"] == sorted(skip["measured_over_predicted_rounds"])[1]
+    # every round's step time is there too; each step's best summed is no slower than any whole round
+    for r in (full, skip):
+        assert len(r["ms_per_step_rounds"]) == 3 and min(r["ms_per_step_rounds"]) >= r["ms_per_step"] - 0.01
     # the floor is timed apart from the step; where matmuls are ~90% of a step (no AMX, batch 2),
     # 16 tokens of noise can put it a few percent above: a floor twice the step would be a wrong floor
     assert 0 < full["matmul_ms_per_step"] < 1.25 * full["ms_per_step"]

@@ -355,6 +355,8 @@ def run_bench(model: str = "default-e2e", quick: bool = False, out_dir: str | os
                          "decode_layer_speedup": round(sched.decode_layer_speedup(N), 4),
                          "decode_tokens_per_s": round(B * (N - 1) / dec, 2), "ms_per_step": round(ms, 2),
                          "prefill_seconds": round(min(t_pre[key]), 4)}
+            if key in round_s:  # every round's decode time, in order (the bests above take each step's least)
+                rows[key]["ms_per_step_rounds"] = [round(t / (N - 1) * 1000, 2) for t in round_s[key]]
         for key, r in rows.items():
             e = r["engine"]
             if e in calib_ms:

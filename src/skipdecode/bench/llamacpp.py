@@ -302,7 +302,8 @@ def run_llamacpp_bench(model: str = "default-e2e", quick: bool = False, out_dir:
         ms = dec / (N - 1) * 1000
         r = {"engine": engine, "batch_size": B, "speedup_target": sp,
              "decode_layer_speedup": round(schedules[sp].decode_layer_speedup(N), 4) if engine.startswith("skip")
-             else 1.0, "ms_per_step": round(ms, 3), "decode_tokens_per_s": round(B * (N - 1) / dec, 2)}
+             else 1.0, "ms_per_step": round(ms, 3), "decode_tokens_per_s": round(B * (N - 1) / dec, 2),
+             "ms_per_step_rounds": [round(t / (N - 1) * 1000, 3) for t in td]}  # every round's, in order
         nbytes = (bytes_ours | bytes_peer).get(engine)
         if B == 1 and sp == 1.0 and nbytes:
             r["weight_bytes_per_step"] = nbytes
