@@ -21,7 +21,7 @@ from pathlib import Path
 from kernel_ab import NEW_TOKENS, case_rows, pop_option, write_report  # the same cases and report
 
 from skipdecode import LLM
-from skipdecode.bench.decode import calibration_schedule, round_ratios
+from skipdecode.bench.decode import calibration_schedule, cost_line, round_ratios
 from skipdecode.generate import generate_tokens
 from skipdecode.schedule import SkipSchedule
 
@@ -59,11 +59,11 @@ def main() -> None:
             if rnd:
                 ms[name].append(st["decode_seconds"] / (NEW_TOKENS - 1) * 1000)
     best = {name: min(v) for name, v in ms.items()}
-    slope = (best["full"] - best[f"fixed{k}"]) / (L - k)
     results = []
     for s in speedups:
         m, n = mean_layers[s], round(mean_layers[s])
-        line = best[f"fixed{k}"] + (m - k) * slope
+        _, predicted = cost_line(best["full"], L, best[f"fixed{k}"], k, m)  # the bench's line
+        line = best["full"] / predicted
         r = {"speedup": s, "mean_layers": round(m, 2), "ms_per_step": round(best[f"{s:g}x"], 3),
              "line_ms": round(line, 3), "measured_over_line": round(line / best[f"{s:g}x"], 3),
              # the same within each round (the line's steps and this schedule's from one round), the median
