@@ -74,10 +74,10 @@ def case_rows(llm, batch: int, speedup: float) -> tuple[list[list[int]], object]
     return [enc[i % len(enc)] for i in range(batch)], llm.make_schedule(speedup=speedup, expected_new_tokens=NEW_TOKENS)
 
 
-def write_report(out: Path, script: str, what: str, results: list, **extra) -> None:
+def write_report(out: Path, script: str, what: str, results: list, rounds: int = ROUNDS, **extra) -> None:
     """Write an A/B run's JSON: the machine, versions, timing, ``extra`` fields, the command and ``results``."""
     report = {"machine": machine_info(), **extra, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "new_tokens": NEW_TOKENS, "rounds": ROUNDS, "model": "default-e2e",
+              "new_tokens": NEW_TOKENS, "rounds": rounds, "model": "default-e2e",
               "timing": f"decode steps after the first token, best of the rounds, the two {what} interleaved "
                         "(order alternating)",
               "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]), "results": results}

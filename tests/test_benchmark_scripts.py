@@ -61,3 +61,26 @@ def test_interleaved_hands_out_every_rounds_time_after_the_warm_up_and_takes_the
     assert set(rounds) == {"a", "b"} and all(len(v) == 3 for v in rounds.values())
     assert best == {name: min(v) for name, v in rounds.items()}
     assert tokens["a"] == tokens["b"]
+
+
+def test_each_skipping_step_meets_the_fixed_step_of_its_own_budget_at_the_same_position():
+    """skip_vs_fixed_depth's per-step control: step j of the skipping run against step j of the
+    fixed-depth run of step j's budget, from one round, or each step's best over the rounds (as the
+    bench sums them). Matching another step or another budget would fold a step's position (its
+    cached keys and values) or depth into what skipping is charged with."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        svf = _script("skip_vs_fixed_depth")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    budgets = [3, 3, 2, 1]
+    skipping = [[1.0, 1.0, 0.7, 0.5], [0.9, 1.2, 0.6, 0.4]]  # [round][step]
+    fixed = {3: [[1.0, 1.1, 1.2, 1.3], [0.8, 1.0, 9.0, 9.0]],
+             2: [[5.0, 5.0, 0.6, 5.0], [5.0, 5.0, 0.8, 5.0]],
+             1: [[5.0, 5.0, 5.0, 0.3], [5.0, 5.0, 5.0, 0.5]]}
+    assert svf.same_layers_each_step(budgets, skipping, fixed, 0) == pytest.approx((1.0 + 1.1 + 0.6 + 0.3, 3.2))
+    assert svf.same_layers_each_step(budgets, skipping, fixed, 1) == pytest.approx((0.8 + 1.0 + 0.8 + 0.5, 3.1))
+    assert svf.same_layers_each_step(budgets, skipping, fixed, None) == pytest.approx(
+        (0.8 + 1.0 + 0.6 + 0.3, 0.9 + 1.0 + 0.6 + 0.4))
