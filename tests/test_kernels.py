@@ -75,6 +75,27 @@ def test_the_read_probe_refuses_what_it_cannot_stream_and_times_every_prefetch_d
     assert all(0.5 < v < 5000 for v in rates.values()), rates  # GB/s, not a unit slip
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_resident_rate_times_the_linear_itself_called_again_and_again(k, dtype):
+    """kernels.resident_gbs is the roof a streamed call is set against: its native loop must run
+    the very GEMM linear runs (the same outputs), and its rate must be in GB/s."""
+    from types import SimpleNamespace
+
+    n, kdim = 40, 64
+    g = _gen(11)
+    w, s = torch.randn(n, kdim, generator=g), None
+    if dtype == "int8":
+        w = torch.randint(-127, 128, (n, kdim), generator=g, dtype=torch.int8)
+        s = kernels.pack_scales(torch.rand(n, generator=g) * 0.01)
+    p, x = kernels.pack_weight(w), torch.randn(3, kdim, generator=g)
+    assert torch.equal(k.linear_repeat(x, p, n, s, 0, repeats=3), k.linear(x, p, None, n, s))
+    with pytest.raises(RuntimeError, match="repeats must be >= 1"):
+        k.linear_repeat(x, p, n, s, 0, repeats=0)
+    lin = SimpleNamespace(kernels=k, packed=p, panel_scales=s, a8=0, in_features=kdim, out_features=n)
+    assert 0.01 < kernels.resident_gbs(lin, rows=1, repeats=1, seconds=0.001) < 5000  # GB/s, not a unit slip
+
+
 HAS_AMX_BF16 = HAS_AVX512 and {"amx_tile", "amx_bf16"} <= set(
     __import__("skipdecode.dispatch").dispatch.cpu_features()["isa"])
 

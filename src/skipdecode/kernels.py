@@ -190,6 +190,29 @@ def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:
     return best
 
 
+def resident_gbs(linear, rows: int = 1, repeats: int = 5, seconds: float = 0.05) -> float:
+    """GB/s of weights a packed ``linear`` (``model.Linear``) runs at ``rows`` rows with its weights
+    in the caches: its GEMM called again and again natively (``linear_repeat``), best of ``repeats``
+    runs of about ``seconds``. Why: at one row a step streams every weight from memory once, and a
+    call cannot read faster than its arithmetic runs; this is that rate, to set beside the read
+    bandwidth (a linear of a few MB is held by the last-level cache, one under the L2 by that)."""
+    import time
+
+    m = linear.kernels
+    x = torch.randn(rows, linear.in_features)
+    args = (x, linear.packed, linear.out_features, linear.panel_scales, linear.a8)
+    nbytes = sum(t.nbytes for t in (linear.packed, linear.panel_scales) if t is not None)
+    t = time.perf_counter()
+    m.linear_repeat(*args, repeats=8)
+    n = max(8, int(8 * seconds / max(time.perf_counter() - t, 1e-6)))
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        m.linear_repeat(*args, repeats=n)
+        best = max(best, nbytes * n / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 READ_PREFETCH_BYTES = (0, 512, 1024, 2048, 4096)  # prefetch distances the read probe tries
 
 

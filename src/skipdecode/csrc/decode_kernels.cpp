@@ -2341,6 +2341,25 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   return y.view(out_shape);
 }
 
+// linear's GEMM `repeats` times on the same x and weights, no Python between the calls (time it):
+// weights of up to a few MB stay in the caches from the second call on, so the rate is what the
+// kernels' arithmetic allows a call (threads, decode, FMAs), the roof a call streaming its weights
+// from memory cannot pass. For the benchmarks; returns the last call's output.
+torch::Tensor linear_repeat(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                   const c10::optional<torch::Tensor>& scale, int64_t a8, int64_t repeats) {
+  check(x.scalar_type() == torch::kFloat, "float32 only");
+  check(repeats >= 1, "repeats must be >= 1");
+  const int64_t K = x.size(-1);
+  check_packed(packed, K, n, c10::nullopt, scale);
+  check_a8(packed, K, a8);
+  const auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, n}, x.options());
+  for (int64_t i = 0; i < repeats; ++i)
+    linear_into(x2.data_ptr<float>(), M, packed, scale, nullptr, n, y.data_ptr<float>(), nullptr, a8);
+  return y;
+}
+
 // Llama's RMSNorm in HF's order: w * (x * rsqrt(mean(x^2) + eps)), of `rows` rows of D.
 void rms_norm_rows(const float* xa, int64_t rows, int64_t D, const float* wa, float eps, float* ya) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
@@ -3780,6 +3799,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("rows") = py::none());
   m.def("steal_counts", &steal_counts, "times parallel_steal hands out each index, then the ranges it handed out",
         py::arg("n"), py::arg("chunk"));
+  m.def("linear_repeat", &linear_repeat, "linear's GEMM repeats times on the same x and weights (time it)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("scale") = py::none(), py::arg("a8") = 0,
+        py::arg("repeats") = 1);
   m.def("read_stream", &read_stream, "sum of a float32 tensor read once by every thread's share, lines asked for "
         "prefetch_bytes ahead (time it for the read bandwidth)", py::arg("x"), py::arg("prefetch_bytes"));
   m.def("fma_flops", &fma_flops, "FLOPs of iters rounds of fp32 FMA chains on every thread (time it for the peak)",
