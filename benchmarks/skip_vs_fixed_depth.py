@@ -71,9 +71,9 @@ def main() -> None:
         scheds[f"{s:g}x"] = sched
         n = round(mean_layers[s])
         scheds.setdefault(f"fixed{n}", SkipSchedule(L, n, n, horizon=1, warmup_layers=0))
-        # and n layers of the schedule's own family (a nested schedule's order runs other layers than the top n)
-        # and every budget the schedule's steps take, each as a fixed depth of its own family: a skipping
-        # step j of b layers runs the layers that a fixed step j of that family's b layers runs
+        # n layers of the schedule's own family (a nested schedule's order runs other layers than the top
+        # n), and so every budget its steps take: skipping step j of b layers runs the layers that step j
+        # of that family's fixed b layers runs
         for b in sorted(set(sched.budgets(NEW_TOKENS - 1)) | {n}):
             scheds.setdefault(f"order{b}", SkipSchedule(L, b, b, horizon=1, warmup_layers=0, mode=sched.mode,
                                                         layer_order=sched.layer_order))

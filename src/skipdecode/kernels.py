@@ -191,11 +191,11 @@ def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:
 
 
 def resident_gbs(linear, rows: int = 1, repeats: int = 5, seconds: float = 0.05) -> float:
-    """GB/s of weights a packed ``linear`` (``model.Linear``) runs at ``rows`` rows with its weights
-    in the caches: its GEMM called again and again natively (``linear_repeat``), best of ``repeats``
-    runs of about ``seconds``. Why: at one row a step streams every weight from memory once, and a
-    call cannot read faster than its arithmetic runs; this is that rate, to set beside the read
-    bandwidth (a linear of a few MB is held by the last-level cache, one under the L2 by that)."""
+    """GB/s of weights a packed ``linear`` (``model.PackedLinear``) runs at ``rows`` rows with its
+    weights in the caches: its GEMM called again and again natively (``linear_repeat``), best of
+    ``repeats`` runs of about ``seconds``. Why: at one row a step streams every weight from memory
+    once, and a call cannot read faster than its arithmetic runs; this is that rate, to set beside
+    the read bandwidth (a linear of a few MB stays in the last-level cache, under 1 MB a thread in L2)."""
     import time
 
     m = linear.kernels

@@ -2346,7 +2346,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 // kernels' arithmetic allows a call (threads, decode, FMAs), the roof a call streaming its weights
 // from memory cannot pass. For the benchmarks; returns the last call's output.
 torch::Tensor linear_repeat(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                   const c10::optional<torch::Tensor>& scale, int64_t a8, int64_t repeats) {
+                            const c10::optional<torch::Tensor>& scale, int64_t a8, int64_t repeats) {
   check(x.scalar_type() == torch::kFloat, "float32 only");
   check(repeats >= 1, "repeats must be >= 1");
   const int64_t K = x.size(-1);
