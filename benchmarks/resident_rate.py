@@ -45,7 +45,7 @@ def measure(dtype: str, rows: int, bw: float) -> dict:
     layer = sum(nbytes.values()) / sum(nbytes[n] / gbs[n] for n in linears)
     out["layer_gb_per_s"], out["layer_of_bandwidth"] = round(layer, 1), round(layer / bw, 3)
     head = net.lm_head
-    if head.packed is not None:  # the LM head as a plain linear (28-57 MB: the last-level cache at most)
+    if head.packed is not None:  # the LM head as a plain linear (28-113 MB: the cache holds some of it at most)
         h = max(kernels.resident_gbs(head, rows) for _ in range(ROUNDS))
         out["lm_head"] = {"mb": round(sum(t.nbytes for t in (head.packed, head.panel_scales) if t is not None) / 1e6,
                                       1), "gb_per_s": round(h, 1), "of_bandwidth": round(h / bw, 3)}
