@@ -53,7 +53,7 @@ def measure(dtype: str, rows: int) -> dict:
     linears = layer_linears(net, rows)
     mods, calls = [m for m, _ in linears], [c for _, c in linears]
     xs = [torch.randn(rows, 1, m.in_features) for m in mods]
-    nbytes = sum(t.nbytes for m in mods for t in (m.packed, m.panel_scales) if t is not None)
+    nbytes = sum(kernels.panel_bytes(m) for m in mods)
     flops = 2 * rows * sum(m.in_features * m.out_features for m in mods)
     layers = len(net.layers)
 

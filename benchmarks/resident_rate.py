@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kernel_ab import pop_option  # the benchmarks' option parsing
+
 from skipdecode import LLM, kernels
 from skipdecode.bench.decode import BLOCK_LINEARS, machine_info
 from skipdecode.bench.llamacpp import read_bandwidth_gbs, read_probe
@@ -29,26 +31,23 @@ DTYPES = ("float32", "int8", "int4", "w8a8", "w4a8")
 ROUNDS = 3
 
 
-def measure(dtype: str, rows: int, bw: float) -> dict:
+def measure(dtype: str, rows: int) -> dict:
+    """Each linear's resident GB/s (and the LM head's), and the four together as a layer."""
     net = LLM.load("default-e2e", dtype=dtype).model
     blk = net.layers[0]
     linears = {n: getattr(blk, n) for n in BLOCK_LINEARS}
-    out: dict = {"dtype": dtype, "rows": rows, "linears": {}}
     gbs: dict[str, float] = {}
     for _ in range(ROUNDS):  # rounds over the linears in turn, each one's best kept
         for name, m in linears.items():
             gbs[name] = max(gbs.get(name, 0.0), kernels.resident_gbs(m, rows))
-    nbytes = {n: sum(t.nbytes for t in (m.packed, m.panel_scales) if t is not None) for n, m in linears.items()}
-    for name in linears:
-        out["linears"][name] = {"kb": round(nbytes[name] / 1e3, 1), "gb_per_s": round(gbs[name], 1),
-                                "of_bandwidth": round(gbs[name] / bw, 3)}
-    layer = sum(nbytes.values()) / sum(nbytes[n] / gbs[n] for n in linears)
-    out["layer_gb_per_s"], out["layer_of_bandwidth"] = round(layer, 1), round(layer / bw, 3)
+    nbytes = {n: kernels.panel_bytes(m) for n, m in linears.items()}
+    out: dict = {"dtype": dtype, "rows": rows,
+                 "linears": {n: {"kb": round(nbytes[n] / 1e3, 1), "gb_per_s": round(gbs[n], 1)} for n in linears},
+                 "layer_gb_per_s": round(sum(nbytes.values()) / sum(nbytes[n] / gbs[n] for n in linears), 1)}
     head = net.lm_head
     if head.packed is not None:  # the LM head as a plain linear (28-113 MB: the cache holds some of it at most)
         h = max(kernels.resident_gbs(head, rows) for _ in range(ROUNDS))
-        out["lm_head"] = {"mb": round(sum(t.nbytes for t in (head.packed, head.panel_scales) if t is not None) / 1e6,
-                                      1), "gb_per_s": round(h, 1), "of_bandwidth": round(h / bw, 3)}
+        out["lm_head"] = {"mb": round(kernels.panel_bytes(head) / 1e6, 1), "gb_per_s": round(h, 1)}
     return out
 
 
@@ -57,15 +56,8 @@ def main() -> None:
     if not args or {"-h", "--help"} & set(args):
         print(__doc__)
         raise SystemExit(0 if args else 2)
-    dtypes, rows = DTYPES, 1
-    if "--dtypes" in args:
-        i = args.index("--dtypes")
-        dtypes = tuple(args[i + 1].split(","))
-        del args[i:i + 2]
-    if "--rows" in args:
-        i = args.index("--rows")
-        rows = int(args[i + 1])
-        del args[i:i + 2]
+    dtypes = tuple((pop_option(args, "--dtypes") or ",".join(DTYPES)).split(","))
+    rows = int(pop_option(args, "--rows") or 1)
     k = kernels.load()
     if k is None:
         raise SystemExit("the compiled kernels did not load: nothing to time")
@@ -73,25 +65,24 @@ def main() -> None:
     bw = read_bandwidth_gbs(probe=probe, module=k)
     results = []
     for dt in dtypes:
-        r = measure(dt, rows, bw)
+        r = measure(dt, rows)
         results.append(r)
         print(f"{dt:8s} rows {rows}: " + ", ".join(f"{n} {v['gb_per_s']:.1f}" for n, v in r["linears"].items())
-              + f" GB/s; layer {r['layer_gb_per_s']:.1f} GB/s ({r['layer_of_bandwidth']:.0%} of {bw:.1f})", flush=True)
-    bw2 = max(bw, read_bandwidth_gbs(probe=probe, module=k))
-    if bw2 > bw:  # the fractions against the best reading of the two
-        for r in results:
-            for v in [*r["linears"].values(), r.get("lm_head", {})]:
-                if "gb_per_s" in v:
-                    v["of_bandwidth"] = round(v["gb_per_s"] / bw2, 3)
-            r["layer_of_bandwidth"] = round(r["layer_gb_per_s"] / bw2, 3)
+              + f" GB/s; layer {r['layer_gb_per_s']:.1f} GB/s ({r['layer_gb_per_s'] / bw:.0%} of {bw:.1f})",
+              flush=True)
+    bw = max(bw, read_bandwidth_gbs(probe=probe, module=k))  # the fractions against the best reading of the two
+    for r in results:
+        for v in [*r["linears"].values(), *([r["lm_head"]] if "lm_head" in r else [])]:
+            v["of_bandwidth"] = round(v["gb_per_s"] / bw, 3)
+        r["layer_of_bandwidth"] = round(r["layer_gb_per_s"] / bw, 3)
     report = {"machine": machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "model": "default-e2e", "read_bandwidth_gbs": round(bw2, 1),
+              "model": "default-e2e", "read_bandwidth_gbs": round(bw, 1),
               "kernel_forms": {"isa": kernels.isa(), "a8": kernels.a8_form()},
               "timing": f"each linear's best of {ROUNDS} rounds (kernels.resident_gbs: best of 5 native runs of "
                         "~50 ms each); the read bandwidth before and after, the best kept",
               "command": "python benchmarks/resident_rate.py " + " ".join(sys.argv[1:]), "results": results}
     Path(args[0]).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"read bandwidth {bw2:.1f} GB/s; wrote {args[0]}")
+    print(f"read bandwidth {bw:.1f} GB/s; wrote {args[0]}")
 
 
 if __name__ == "__main__":

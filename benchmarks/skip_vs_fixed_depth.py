@@ -97,8 +97,7 @@ def main() -> None:
         budgets = scheds[f"{s:g}x"].budgets(NEW_TOKENS - 1)
         fixed = {b: steps[f"order{b}"] for b in set(budgets)}
         same = {i: same_layers_each_step(budgets, steps[f"{s:g}x"], fixed, i) for i in [None, *range(rounds)]}
-        _, predicted = cost_line(best["full"], L, best[f"fixed{k}"], k, m)  # the bench's line
-        line = best["full"] / predicted
+        line = line_at(best["full"], best[f"fixed{k}"], m)  # the bench's line
         r = {"speedup": s, "mean_layers": round(m, 2), "ms_per_step": round(best[f"{s:g}x"], 3),
              "line_ms": round(line, 3), "measured_over_line": round(line / best[f"{s:g}x"], 3),
              # the same within each round (the line's steps and this schedule's from one round), the median

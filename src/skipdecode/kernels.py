@@ -190,6 +190,11 @@ def fma_peak_gflops(module, repeats: int = 5, seconds: float = 0.05) -> float:
     return best
 
 
+def panel_bytes(linear) -> int:
+    """Bytes of a packed ``linear``'s panels and their scales: what a call reads of its weights."""
+    return sum(t.nbytes for t in (linear.packed, linear.panel_scales) if t is not None)
+
+
 def resident_gbs(linear, rows: int = 1, repeats: int = 5, seconds: float = 0.05) -> float:
     """GB/s of weights a packed ``linear`` (``model.PackedLinear``) runs at ``rows`` rows with its
     weights in the caches: its GEMM called again and again natively (``linear_repeat``), best of
@@ -201,7 +206,7 @@ def resident_gbs(linear, rows: int = 1, repeats: int = 5, seconds: float = 0.05)
     m = linear.kernels
     x = torch.randn(rows, linear.in_features)
     args = (x, linear.packed, linear.out_features, linear.panel_scales, linear.a8)
-    nbytes = sum(t.nbytes for t in (linear.packed, linear.panel_scales) if t is not None)
+    nbytes = panel_bytes(linear)
     t = time.perf_counter()
     m.linear_repeat(*args, repeats=8)
     n = max(8, int(8 * seconds / max(time.perf_counter() - t, 1e-6)))
